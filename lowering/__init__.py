@@ -1,0 +1,1 @@
+"""Latent-cache ops: their schemas, fake (shape) implementations and PyTorch reference implementations."""

@@ -1,0 +1,110 @@
+"""Plain PyTorch reference implementations of the latent ops: readable, and the oracle of every test.
+
+Shapes use named axes: batch, heads (query heads), kv_heads, tokens (new tokens this step),
+slots (cache positions), rank (latent channels), head_dim.
+"""
+import torch
+
+from lrkv_compile.errors import CacheOverflowError
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_rows(table_input: torch.Tensor, batch: int, tokens: int, head_dim: int) -> torch.Tensor:
+    """Bring the cos/sin operand of a RoPE site ([batch|1, 1, tokens, head_dim]) to [batch, tokens, head_dim]."""
+    return torch.broadcast_to(table_input, (batch, 1, tokens, head_dim))[:, 0]
+
+
+def latent_write(latent_k, latent_v, rope_cos, rope_sin, new_k, new_v, cos, sin, length) -> None:
+    """Write this step's latents (and the RoPE rows of their positions) at slots [length, length + tokens).
+
+    latent_k: [max_batch, slots, rank_k]; new_k: [batch, tokens, rank_k]; length: scalar tensor, slots
+    already written before this step.
+    """
+    batch, tokens = new_k.shape[0], new_k.shape[1]
+    start = int(length)
+    capacity = latent_k.shape[1]
+    if start + tokens > capacity:
+        raise CacheOverflowError(
+            f"the context needs {start + tokens} cache slots but this LatentCache holds max_cache_len={capacity}; "
+            f"create the LatentCache with max_cache_len >= prompt length + max_new_tokens"
+        )
+    if batch > latent_k.shape[0]:
+        raise CacheOverflowError(
+            f"batch of {batch} sequences but this LatentCache holds max_batch_size={latent_k.shape[0]}; "
+            "create it with a larger max_batch_size"
+        )
+    latent_k[:batch, start:start + tokens] = new_k.to(latent_k.dtype)
+    latent_v[:batch, start:start + tokens] = new_v.to(latent_v.dtype)
+    if cos is not None and rope_cos.numel():
+        head_dim = rope_cos.shape[-1]
+        rope_cos[:batch, start:start + tokens] = _rope_rows(cos, batch, tokens, head_dim).to(rope_cos.dtype)
+        rope_sin[:batch, start:start + tokens] = _rope_rows(sin, batch, tokens, head_dim).to(rope_sin.dtype)
+
+
+def reconstruct_keys(latent_k, rope_cos, rope_sin, up_k, bias_k, num_kv_heads):
+    """Keys of the first slots, rebuilt from their latents: RoPE(c_k B_k + b_k) at each slot's own position.
+
+    latent_k: [batch, slots, rank_k] -> [batch, kv_heads, slots, head_dim]
+    """
+    batch, slots, _ = latent_k.shape
+    keys = latent_k @ up_k.to(latent_k.dtype)
+    if bias_k is not None:
+        keys = keys + bias_k.to(keys.dtype)
+    keys = keys.view(batch, slots, num_kv_heads, -1).transpose(1, 2)
+    if rope_cos.numel():
+        cos = rope_cos[:batch, :slots].unsqueeze(1).to(keys.dtype)
+        sin = rope_sin[:batch, :slots].unsqueeze(1).to(keys.dtype)
+        keys = keys * cos + rotate_half(keys) * sin
+    return keys
+
+
+def _allowed(attn_mask, batch, tokens, slots, device):
+    """Boolean [batch, 1|heads, tokens, slots]: causal over slots, intersected with the model's mask."""
+    query_slots = torch.arange(slots - tokens, slots, device=device)
+    allowed = (torch.arange(slots, device=device)[None, :] <= query_slots[:, None])[None, None]
+    additive = None
+    if attn_mask is not None:
+        mask = attn_mask[..., :slots]
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            additive = mask
+    return allowed, additive
+
+
+def latent_attention(query, latent_k, latent_v, rope_cos, rope_sin, up_k, bias_k, up_v, bias_v,
+                     length, attn_mask, scale, num_kv_heads):
+    """Attention of `query` over the latent cache, with keys rebuilt from latents and values kept latent
+    until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
+
+    query: [batch, heads, tokens, head_dim] (RoPE already applied); length: slots valid after this step.
+    Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
+    [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
+    """
+    batch, heads, tokens, head_dim = query.shape
+    slots = int(length)
+    group = heads // num_kv_heads
+    keys = reconstruct_keys(latent_k[:batch, :slots], rope_cos, rope_sin, up_k, bias_k, num_kv_heads)
+    q = query.view(batch, num_kv_heads, group, tokens, head_dim).float()
+    scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * scale
+    scores = scores.reshape(batch, heads, tokens, slots)
+    allowed, additive = _allowed(attn_mask, batch, tokens, slots, query.device)
+    if additive is not None:
+        scores = scores + additive.float()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
+    probs = probs.view(batch, num_kv_heads, group, tokens, slots)
+    latent_values = latent_v[:batch, :slots].float()  # [batch, slots, rank_v]
+    context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
+    if up_v is None:
+        return context.reshape(batch, heads, tokens, -1).transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)
+    rank_v = latent_v.shape[-1]
+    up = up_v.float().view(rank_v, num_kv_heads, head_dim)
+    out = torch.einsum("bkgtr,rkd->bkgtd", context, up)
+    if bias_v is not None:
+        out = out + bias_v.float().view(1, num_kv_heads, 1, 1, head_dim)
+    return out.reshape(batch, heads, tokens, head_dim).to(query.dtype)

@@ -1,0 +1,175 @@
+"""RankPlan: which rank (and, later, which bits) each attention site's K and V latents get, with the factors.
+
+A plan is plain data: a frozen dataclass tree, validated when built and when loaded, saved as one
+safetensors file (tensors + JSON metadata under the key "lrkv_plan", with a schema_version).
+"""
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from lrkv_compile.passes.factorize import SCHEMES
+from .errors import CorruptPlanError, PlanError
+
+SCHEMA_VERSION = 1
+SUPPORTED_BITS = (16,)
+_TENSORS = ("down_k", "up_k", "down_v", "up_v")
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """One attention site: latent ranks and factors for its K and V projections.
+
+    down_*: [hidden_size, rank]; up_*: [rank, num_kv_heads * head_dim], block diagonal over `*_blocks`.
+    """
+    layer: int
+    k_weight: str
+    v_weight: str
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    k_scheme: str
+    v_scheme: str
+    k_blocks: int
+    v_blocks: int
+    rank_k: int
+    rank_v: int
+    rope_group: int = 0
+    bits_k: int = 16
+    bits_v: int = 16
+    down_k: torch.Tensor = field(default=None, repr=False, compare=False)
+    up_k: torch.Tensor = field(default=None, repr=False, compare=False)
+    down_v: torch.Tensor = field(default=None, repr=False, compare=False)
+    up_v: torch.Tensor = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        where = f"site {self.layer} ({self.k_weight})"
+        kv_dim = self.num_kv_heads * self.head_dim
+        for scheme_field in ("k_scheme", "v_scheme"):
+            if getattr(self, scheme_field) not in SCHEMES:
+                raise PlanError(f"{where}: {scheme_field}={getattr(self, scheme_field)!r}; expected one of {SCHEMES}")
+        for bits_field in ("bits_k", "bits_v"):
+            if getattr(self, bits_field) not in SUPPORTED_BITS:
+                raise PlanError(f"{where}: {bits_field}={getattr(self, bits_field)}; this version stores latents "
+                                f"unquantized (bits in {SUPPORTED_BITS}); quantized latents are not implemented yet")
+        for side in ("k", "v"):
+            rank, blocks = getattr(self, f"rank_{side}"), getattr(self, f"{side}_blocks")
+            if not 1 <= rank <= min(self.hidden_size, kv_dim) or rank % blocks or kv_dim % blocks:
+                raise PlanError(f"{where}: rank_{side}={rank} must be in [1, {min(self.hidden_size, kv_dim)}] "
+                                f"and divisible by {side}_blocks={blocks}")
+            down, up = getattr(self, f"down_{side}"), getattr(self, f"up_{side}")
+            if not isinstance(down, torch.Tensor) or tuple(down.shape) != (self.hidden_size, rank):
+                raise PlanError(f"{where}: down_{side} must be a tensor of shape {(self.hidden_size, rank)}, "
+                                f"got {None if down is None else tuple(down.shape)}")
+            if not isinstance(up, torch.Tensor) or tuple(up.shape) != (rank, kv_dim):
+                raise PlanError(f"{where}: up_{side} must be a tensor of shape {(rank, kv_dim)}, "
+                                f"got {None if up is None else tuple(up.shape)}")
+            if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
+                raise PlanError(f"{where}: factors of {side.upper()} contain NaN or Inf")
+
+    @property
+    def full_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def latent_values_per_token(self) -> float:
+        """Cache values per token (in units of the model dtype) this site stores."""
+        return self.rank_k * self.bits_k / 16 + self.rank_v * self.bits_v / 16
+
+    def metadata(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _TENSORS}
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """A whole model's plan. `keep` is the fraction of the full K/V cache bytes the plan keeps."""
+    sites: tuple
+    source: str = "uniform"
+    calibration_tokens: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanError(f"schema_version={self.schema_version}; this lrkv reads version {SCHEMA_VERSION}")
+        if not self.sites:
+            raise PlanError("a plan needs at least one site")
+        for position, site in enumerate(self.sites):
+            if not isinstance(site, SitePlan):
+                raise PlanError(f"sites[{position}] is a {type(site).__name__}, expected SitePlan")
+            if site.layer != position:
+                raise PlanError(f"sites[{position}].layer={site.layer}; sites must be listed in layer order")
+
+    @property
+    def keep(self) -> float:
+        kept = sum(site.latent_values_per_token() for site in self.sites)
+        return kept / sum(2 * site.full_dim for site in self.sites)
+
+    def site_for(self, k_weight: str):
+        return next((site for site in self.sites if site.k_weight == k_weight), None)
+
+    def summary(self) -> str:
+        ranks_k = sorted({s.rank_k for s in self.sites})
+        ranks_v = sorted({s.rank_v for s in self.sites})
+        schemes = sorted({f"{s.k_scheme}/{s.v_scheme}" for s in self.sites})
+        return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, K ranks {ranks_k}, V ranks {ranks_v}, "
+                f"K/V schemes {schemes}, {self.source})")
+
+    def save(self, path) -> None:
+        """Write the plan as one safetensors file."""
+        from safetensors.torch import save_file
+        tensors = {f"sites.{i}.{name}": getattr(site, name).contiguous().float()
+                   for i, site in enumerate(self.sites) for name in _TENSORS}
+        meta = {"schema_version": self.schema_version, "source": self.source,
+                "calibration_tokens": self.calibration_tokens, "sites": [s.metadata() for s in self.sites]}
+        save_file(tensors, str(path), metadata={"lrkv_plan": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path) -> "RankPlan":
+        """Read a plan written by `save`; raises CorruptPlanError naming what is wrong."""
+        from safetensors import safe_open
+        path = Path(path)
+        if not path.is_file():
+            raise CorruptPlanError(f"{path}: no such plan file")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                raw = (handle.metadata() or {}).get("lrkv_plan")
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        except Exception as error:  # safetensors raises several types for damaged files
+            raise CorruptPlanError(f"{path}: not a readable safetensors file ({error}); re-create the plan") from error
+        if raw is None:
+            raise CorruptPlanError(f"{path}: safetensors file without 'lrkv_plan' metadata; it is not an lrkv plan")
+        try:
+            meta = json.loads(raw)
+            version = meta["schema_version"]
+            if version != SCHEMA_VERSION:
+                raise CorruptPlanError(f"{path}: plan schema_version {version}, this lrkv reads {SCHEMA_VERSION}")
+            sites = []
+            for i, site_meta in enumerate(meta["sites"]):
+                factors = {}
+                for name in _TENSORS:
+                    key = f"sites.{i}.{name}"
+                    if key not in tensors:
+                        raise CorruptPlanError(f"{path}: tensor {key!r} is missing")
+                    factors[name] = tensors[key]
+                sites.append(SitePlan(**site_meta, **factors))
+            return cls(sites=tuple(sites), source=meta["source"], calibration_tokens=meta["calibration_tokens"])
+        except CorruptPlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as error:
+            raise CorruptPlanError(f"{path}: plan metadata is invalid ({error}); re-create the plan") from error
+
+    @classmethod
+    def uniform(cls, model, keep: float = 0.5, **options) -> "RankPlan":
+        """An uncalibrated plan (plain SVD of the weights): the same keep for every site. Options as `lrkv.calibrate`."""
+        from .calibrate import build_plan
+        return build_plan(model, batches=None, keep=keep, **options)
+
+
+def rank_for(keep: float, full_dim: int, hidden_size: int, blocks: int) -> int:
+    """The rank a `keep` fraction gives: rounded to a multiple of `blocks`, at least one channel per block."""
+    if not 0 < keep <= 1:
+        raise PlanError(f"keep={keep}: must be in (0, 1], the fraction of the K/V cache kept")
+    cap = min(full_dim, hidden_size)
+    per_block = max(1, min(cap // blocks, round(keep * full_dim / blocks)))
+    return per_block * blocks
+

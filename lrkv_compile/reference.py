@@ -1,0 +1,41 @@
+"""The eager low-rank reference: the model with each planned K/V projection replaced by its two factors."""
+import copy
+
+import torch
+from torch import nn
+
+from .errors import PlanMismatchError
+from .plan import RankPlan
+
+
+class FactoredLinear(nn.Module):
+    """y = (x down) up + bias: a low-rank stand-in for an nn.Linear."""
+
+    def __init__(self, down: torch.Tensor, up: torch.Tensor, bias):
+        super().__init__()
+        self.down = nn.Linear(down.shape[0], down.shape[1], bias=False)
+        self.up = nn.Linear(up.shape[0], up.shape[1], bias=bias is not None)
+        with torch.no_grad():
+            self.down.weight.copy_(down.T)
+            self.up.weight.copy_(up.T)
+            if bias is not None:
+                self.up.bias.copy_(bias)
+
+    def forward(self, x):
+        return self.up(self.down(x))
+
+
+def low_rank_reference(model, plan: RankPlan):
+    """A copy of `model` whose planned K/V projections are replaced by the plan's factors (eager, no cache tricks)."""
+    reference = copy.deepcopy(model)
+    modules = dict(reference.named_modules())
+    for site in plan.sites:
+        for weight_name, down, up in ((site.k_weight, site.down_k, site.up_k), (site.v_weight, site.down_v, site.up_v)):
+            module_name = weight_name.rsplit(".", 1)[0]
+            linear = modules.get(module_name)
+            if not isinstance(linear, nn.Linear) or tuple(linear.weight.shape) != (up.shape[1], down.shape[0]):
+                raise PlanMismatchError(f"{weight_name}: the model has no linear layer of shape "
+                                        f"{(up.shape[1], down.shape[0])} there; the plan was made for another model")
+            factored = FactoredLinear(down, up, linear.bias).to(linear.weight.device, linear.weight.dtype)
+            reference.set_submodule(module_name, factored)
+    return reference

@@ -1,0 +1,40 @@
+"""`lrkv.explain`: what the matcher finds in a model, and what a plan would do at each site."""
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from lrkv_compile.passes.rewrite import choose_value_path
+from lrkv_compile.passes.sites import find_sites
+from .trace import capture
+
+
+def explain(model, plan=None, show=True) -> list[dict]:
+    """Report every SDPA call of the model's graph: matched sites (with the plan's ranks and the chosen value
+    path) and unmatched ones with the reason. Returns the rows; prints them as a table when `show`."""
+    probe = torch.arange(8, device=next(model.parameters()).device)[None]
+    gm, _, _, name_of = capture(model, probe)
+    sites, unmatched = find_sites(gm, name_of)
+    rows = []
+    for site in sites:
+        row = {"site": site.index, "status": "matched", "k_weight": site.k_weight,
+               "rope": "rotate-half" if site.rope else "none", "heads": f"{site.num_heads}/{site.num_kv_heads}",
+               "head_dim": site.head_dim, "bias": site.k_bias is not None}
+        planned = plan.site_for(site.k_weight) if plan is not None else None
+        if planned is not None:
+            row.update(rank_k=planned.rank_k, rank_v=planned.rank_v, scheme=f"{planned.k_scheme}/{planned.v_scheme}",
+                       value_path=choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v))
+        elif plan is not None:
+            row["status"] = "matched, not in plan (left untouched)"
+        rows.append(row)
+    rows += [{"site": "-", "status": f"unmatched (left untouched): {miss.reason}", "k_weight": miss.node}
+             for miss in unmatched]
+    if show:
+        table = Table(title=f"lrkv: {len(sites)} attention sites matched, {len(unmatched)} unmatched")
+        columns = ["site", "status", "k_weight", "rope", "heads", "head_dim", "rank_k", "rank_v", "scheme",
+                   "value_path"]
+        for column in columns:
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*(str(row.get(column, "")) for column in columns))
+        Console().print(table)
+    return rows

@@ -1,0 +1,1 @@
+"""Graph analysis and rewrites on Dynamo FX graphs: site discovery, factorization, rewriting."""

@@ -1,0 +1,66 @@
+"""Activation-aware low-rank factorization of K/V projection weights (SVD-LLM whitening, Palu schemes).
+
+For a projection y = x W^T with input Gram G = E[x^T x] = S S^T (Cholesky), the rank-r W' that
+minimises E||x (W - W')^T||^2 is W' = U_r S_r V_r^T S^-1 where W S = U S V^T (SVD-LLM, Thm. 1).
+We store it as y' = (x down) up with down = S^-T V_r (whitened latents) and up = S_r U_r^T.
+Schemes split the output channels into `groups` independent blocks (Palu: M-LRD = one block per
+head, G-LRD = one per group of heads, J-LRD = one block); `up` is then block diagonal.
+"""
+import torch
+
+SCHEMES = ("head", "group", "joint")
+
+
+def blocks_for(scheme: str, num_kv_heads: int, group_size: int) -> int:
+    """Number of independent factor blocks a scheme gives."""
+    if scheme == "head":
+        return num_kv_heads
+    if scheme == "joint":
+        return 1
+    if scheme == "group":
+        if group_size < 1 or num_kv_heads % group_size:
+            raise ValueError(f"group_size={group_size} does not divide num_kv_heads={num_kv_heads}")
+        return num_kv_heads // group_size
+    raise ValueError(f"unknown decomposition scheme {scheme!r}; choose one of {SCHEMES}")
+
+
+def whitening_factor(gram: torch.Tensor) -> torch.Tensor:
+    """Lower-triangular S with S S^T = gram (+ the smallest diagonal damping that makes it positive definite)."""
+    gram = gram.double()
+    gram = (gram + gram.T) / 2
+    damping = 0.0
+    base = gram.diagonal().mean().clamp_min(1e-12)
+    for _ in range(12):
+        factor, info = torch.linalg.cholesky_ex(gram + damping * torch.eye(len(gram), dtype=gram.dtype))
+        if int(info) == 0:
+            return factor
+        damping = base * (1e-6 if damping == 0.0 else damping / base * 10)
+    raise RuntimeError("calibration Gram matrix is not positive definite even with damping; calibrate on more tokens")
+
+
+def factorize(weight: torch.Tensor, whitening: torch.Tensor | None, blocks: int, rank: int):
+    """Factor weight [out, in] into down [in, rank] and block-diagonal up [rank, out], rank split evenly over blocks.
+
+    whitening: S from `whitening_factor`, or None for plain SVD (an uncalibrated plan).
+    """
+    out_features, in_features = weight.shape
+    if rank % blocks:
+        raise ValueError(f"rank {rank} is not divisible into {blocks} blocks")
+    block_rank, block_out = rank // blocks, out_features // blocks
+    if block_rank > min(block_out, in_features):
+        raise ValueError(f"rank {block_rank} per block exceeds the block's size {min(block_out, in_features)}")
+    w = weight.double()
+    down = torch.zeros(in_features, rank, dtype=torch.float64)
+    up = torch.zeros(rank, out_features, dtype=torch.float64)
+    for block in range(blocks):
+        rows = slice(block * block_out, (block + 1) * block_out)
+        cols = slice(block * block_rank, (block + 1) * block_rank)
+        w_block = w[rows]
+        target = w_block @ whitening if whitening is not None else w_block
+        u, s, vh = torch.linalg.svd(target, full_matrices=False)
+        v_r = vh[:block_rank].T  # [in, block_rank]
+        if whitening is not None:
+            v_r = torch.linalg.solve_triangular(whitening.T, v_r, upper=True)  # S^-T V_r
+        down[:, cols] = v_r
+        up[cols, rows] = s[:block_rank, None] * u[:, :block_rank].T
+    return down.float(), up.float()

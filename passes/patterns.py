@@ -1,0 +1,147 @@
+"""Small structural matchers over Dynamo FX nodes. Each returns the captured nodes or None.
+
+Architecture differences are data: the tables below list the node targets each pattern accepts.
+"""
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+RESHAPE_METHODS = {"view", "reshape"}
+LAYOUT_METHODS = {"view", "reshape", "transpose", "contiguous", "flatten", "permute"}
+
+
+def is_function(node, targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def is_method(node, names) -> bool:
+    return isinstance(node, Node) and node.op == "call_method" and node.target in names
+
+
+def shape_of(node: Node) -> Optional[tuple]:
+    value = node.meta.get("example_value") if isinstance(node, Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def dtype_of(node: Node):
+    value = node.meta.get("example_value")
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+@dataclass
+class Projection:
+    """linear(x, weight, bias) -> view as heads -> transpose(1, 2): [batch, heads, tokens, head_dim]."""
+    linear: Node
+    x: Node
+    weight: Node
+    bias: Optional[Node]
+    heads_out: Node  # the transposed [batch, heads, tokens, head_dim] node
+
+
+def match_head_projection(node) -> Optional[Projection]:
+    if not (is_method(node, {"transpose"}) and tuple(node.args[1:]) in {(1, 2), (2, 1)}):
+        return None
+    split = node.args[0]
+    if not is_method(split, RESHAPE_METHODS):
+        return None
+    linear = split.args[0]
+    if not is_function(linear, LINEAR_TARGETS):
+        return None
+    args = list(linear.args) + [None] * (3 - len(linear.args))
+    weight = linear.kwargs.get("weight", args[1])
+    bias = linear.kwargs.get("bias", args[2])
+    if not isinstance(weight, Node) or weight.op not in ("placeholder", "get_attr"):
+        return None
+    if bias is not None and (not isinstance(bias, Node) or bias.op not in ("placeholder", "get_attr")):
+        return None
+    return Projection(linear=linear, x=args[0], weight=weight, bias=bias, heads_out=node)
+
+
+def _is_slice_of(node, source, start, stop) -> bool:
+    if not (is_function(node, {operator.getitem}) and node.args[0] is source):
+        return False
+    index = node.args[1]
+    if not isinstance(index, tuple) or len(index) != 2 or index[0] is not Ellipsis:
+        return False
+    sl = index[1]
+    return isinstance(sl, slice) and sl.start == start and sl.stop == stop and sl.step in (None, 1)
+
+
+def is_rotate_half(node, x: Node, head_dim: int) -> bool:
+    """cat((-x[..., d/2:], x[..., :d/2]), dim=-1): the rotate-half RoPE form (not the interleaved one)."""
+    if not is_function(node, {torch.cat}):
+        return False
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    if dim not in (-1, 3) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return False
+    negated, first_half = parts
+    half = head_dim // 2
+    return (is_function(negated, {operator.neg, torch.neg})
+            and _is_slice_of(negated.args[0], x, half, None)
+            and _is_slice_of(first_half, x, None, half))
+
+
+@dataclass
+class Rope:
+    """out = x * cos + rotate_half(x) * sin."""
+    x: Node
+    cos: Node
+    sin: Node
+    out: Node
+
+
+def match_rope(node) -> Optional[Rope]:
+    if not is_function(node, {operator.add, torch.add}) or len(node.args) != 2:
+        return None
+    for straight, rotated in (node.args, node.args[::-1]):
+        if not (is_function(straight, {operator.mul, torch.mul}) and is_function(rotated, {operator.mul, torch.mul})):
+            continue
+        for x, cos in (straight.args, straight.args[::-1]):
+            shape = shape_of(x) if isinstance(x, Node) else None
+            if shape is None:
+                continue
+            for rot, sin in (rotated.args, rotated.args[::-1]):
+                if is_rotate_half(rot, x, shape[-1]) and isinstance(cos, Node) and isinstance(sin, Node):
+                    return Rope(x=x, cos=cos, sin=sin, out=node)
+    return None
+
+
+def follow_layout_chain(node: Node) -> tuple[list[Node], Optional[Node]]:
+    """From an attention output, walk single-user reshapes/transposes to the linear that consumes them.
+
+    Returns (chain, linear) with linear None where the chain does not end in a linear's input.
+    """
+    chain, current = [], node
+    while len(current.users) == 1:
+        user = next(iter(current.users))
+        if is_method(user, LAYOUT_METHODS) and user.args[0] is current:
+            chain.append(user)
+            current = user
+            continue
+        if is_function(user, LINEAR_TARGETS) and user.args[0] is current:
+            return chain, user
+        break
+    return chain, None
+
+
+def unwrap_repeat_kv(node):
+    """x[:, :, None].expand(b, kv, n_rep, t, d).reshape(b, kv * n_rep, t, d) -> x (transformers' repeat_kv)."""
+    if not is_method(node, RESHAPE_METHODS):
+        return node
+    expanded = node.args[0]
+    if not is_method(expanded, {"expand"}):
+        return node
+    indexed = expanded.args[0]
+    if not is_function(indexed, {operator.getitem}):
+        return node
+    index = indexed.args[1]
+    if isinstance(index, tuple) and len(index) == 5 and index[2] is None:
+        return indexed.args[0]
+    return node

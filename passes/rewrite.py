@@ -1,0 +1,192 @@
+"""Rewrite matched attention sites per a rank plan.
+
+Two forms, one set of numbers:
+- factored (no cache, or a stock concat cache): k = (x down_k) up_k + b_k, likewise v; the cache keeps
+  full keys/values, so memory is not reduced but the model is the plan's low-rank model.
+- latent (LatentCache): latents x down are written to the cache, attention rebuilds keys from latents
+  (RoPE at each slot's position) and applies up_v after the reduction over slots, or absorbs it into
+  the output projection (Palu eq. 5: p (C_v B_v) W_o = (p C_v)(B_v W_o)), whichever costs fewer FLOPs.
+"""
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .patterns import LINEAR_TARGETS, is_function, is_method
+
+PURE_FUNCTIONS = LINEAR_TARGETS | {operator.add, operator.mul, operator.neg, operator.getitem, torch.cat,
+                                   torch.add, torch.mul, torch.neg}
+PURE_METHODS = {"view", "reshape", "transpose", "contiguous", "unsqueeze", "flatten", "permute", "expand", "size"}
+
+
+class PlanMismatch(ValueError):
+    """Raised by the rewrite when a plan's site does not fit the graph's site."""
+
+
+@dataclass
+class SiteReport:
+    index: int
+    k_weight: str
+    cache: str
+    status: str                    # "rewritten" | "untouched: <why>"
+    rank_k: int = 0
+    rank_v: int = 0
+    value_path: str = ""
+
+
+def value_path_cost(num_heads: int, head_dim: int, hidden: int, rank_v: int) -> dict:
+    """Multiply-adds per token of the two value paths after the reduction over slots."""
+    return {"up after reduction": num_heads * rank_v * head_dim + num_heads * head_dim * hidden,
+            "absorbed into output projection": num_heads * rank_v * hidden}
+
+
+def choose_value_path(num_heads, head_dim, hidden, rank_v, policy="auto") -> str:
+    if policy == "never":
+        return "up after reduction"
+    if policy == "always":
+        return "absorbed into output projection"
+    costs = value_path_cost(num_heads, head_dim, hidden, rank_v)
+    return min(costs, key=costs.get)
+
+
+class _Rewriter:
+    def __init__(self, gm: GraphModule, example_inputs):
+        self.gm, self.graph = gm, gm.graph
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.values = dict(zip(placeholders, example_inputs))
+
+    def value_of(self, node: Node) -> torch.Tensor:
+        if node.op == "get_attr":
+            return getattr(self.gm, node.target)
+        return self.values[node]
+
+    def constant(self, name: str, tensor: torch.Tensor, like: Node) -> Node:
+        reference = like.meta.get("example_value")
+        tensor = tensor.to(dtype=reference.dtype, device=reference.device).contiguous()
+        self.gm.register_buffer(name, tensor)
+        return self.graph.get_attr(name)
+
+    def factored(self, projection, down, up, name):
+        """linear(x, W, b) -> linear(linear(x, down^T), up^T, b)."""
+        with self.graph.inserting_before(projection.linear):
+            down_w = self.constant(f"{name}_down", down.T, projection.weight)
+            up_w = self.constant(f"{name}_up", up.T, projection.weight)
+            latent = self.graph.call_function(torch._C._nn.linear, (projection.x, down_w, None))
+            rebuilt = self.graph.call_function(torch._C._nn.linear, (latent, up_w, projection.bias))
+        projection.linear.replace_all_uses_with(rebuilt)
+
+    def latent(self, site, planned, value_policy):
+        marker = site.cache_nodes[0]
+        _, _, buf_k, buf_v, rope_cos, rope_sin, length, layer_idx = marker.args
+        if layer_idx != planned.layer:
+            raise PlanMismatch(f"LatentCache layer {layer_idx} runs the site the plan lists as layer {planned.layer}")
+        for buffer, rank, side in ((buf_k, planned.rank_k, "K"), (buf_v, planned.rank_v, "V")):
+            if buffer.meta["example_value"].shape[-1] != rank:
+                raise PlanMismatch(f"layer {layer_idx}: the LatentCache holds {side} latents of rank "
+                                   f"{buffer.meta['example_value'].shape[-1]}, the plan says {rank}; build the "
+                                   "LatentCache from the same plan the model is compiled with")
+        name = f"lrkv_site{site.index}"
+        weight = site.key.weight
+        with self.graph.inserting_before(marker):
+            down_k = self.constant(f"{name}_down_k", planned.down_k.T, weight)
+            down_v = self.constant(f"{name}_down_v", planned.down_v.T, weight)
+            latent_k = self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None))
+            latent_v = self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))
+            cos = site.rope.cos if site.rope else None
+            sin = site.rope.sin if site.rope else None
+            self.graph.call_function(torch.ops.lrkv.latent_write.default,
+                                     (buf_k, buf_v, rope_cos, rope_sin, latent_k, latent_v, cos, sin, length))
+        path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
+        absorb = path.startswith("absorbed") and site.out_proj is not None
+        if not absorb:
+            path = "up after reduction"
+        with self.graph.inserting_before(site.sdpa):
+            up_k = self.constant(f"{name}_up_k", planned.up_k, weight)
+            up_v = None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight)
+            bias_v = None if absorb else site.value.bias
+            attention = self.graph.call_function(
+                torch.ops.lrkv.latent_attention.default,
+                (site.query, buf_k, buf_v, rope_cos, rope_sin, up_k, site.key.bias, up_v, bias_v, length,
+                 site.attn_mask, site.scale if site.scale is not None else site.head_dim ** -0.5,
+                 site.num_kv_heads))
+        if absorb:
+            self.absorb_output(site, planned, attention, name)
+        else:
+            site.sdpa.replace_all_uses_with(attention)
+        return path
+
+    def absorb_output(self, site, planned, context, name):
+        """o = ctx_flat W_abs^T + b_abs with W_abs[:, h] = (B_v,g(h) W_o,h^T)^T, b_abs = b_o + sum_h b_v,g W_o,h^T."""
+        out = site.out_proj
+        args = list(out.args) + [None] * (3 - len(out.args))
+        w_o = self.value_of(args[1]).detach().double().cpu()           # [hidden, heads * head_dim]
+        b_o = self.value_of(args[2]).detach().double().cpu() if args[2] is not None else None
+        up_v = planned.up_v.double()                                    # [rank_v, kv_heads * head_dim]
+        b_v = self.value_of(site.value.bias).detach().double().cpu() if site.value.bias is not None else None
+        heads, kv_heads, d = site.num_heads, site.num_kv_heads, site.head_dim
+        group = heads // kv_heads
+        absorbed, bias = [], (b_o.clone() if b_o is not None else torch.zeros(w_o.shape[0], dtype=torch.float64))
+        for head in range(heads):
+            kv = head // group
+            w_head = w_o[:, head * d:(head + 1) * d]                     # [hidden, head_dim]
+            absorbed.append(w_head @ up_v[:, kv * d:(kv + 1) * d].T)     # [hidden, rank_v]
+            if b_v is not None:
+                bias = bias + w_head @ b_v[kv * d:(kv + 1) * d]
+        with self.graph.inserting_before(out):
+            weight = self.constant(f"{name}_absorbed_o", torch.cat(absorbed, dim=1), args[1])
+            new_bias = self.constant(f"{name}_absorbed_o_bias", bias, args[1]) if (
+                b_o is not None or b_v is not None) else None
+            projected = self.graph.call_function(torch._C._nn.linear, (context, weight, new_bias))
+        out.replace_all_uses_with(projected)
+
+
+def _prune(graph):
+    """Erase side-effect-free nodes nobody uses (the replaced projections, RoPE on keys, SDPA, the marker)."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(graph.nodes):
+            if node.users or node.op not in ("call_function", "call_method"):
+                continue
+            pure = (is_function(node, PURE_FUNCTIONS) or is_method(node, PURE_METHODS)
+                    or str(node.target).startswith("lrkv.cache_marker")
+                    or node.target in (torch._C._nn.scaled_dot_product_attention,
+                                       torch.nn.functional.scaled_dot_product_attention))
+            if pure:
+                graph.erase_node(node)
+                changed = True
+
+
+def rewrite(gm: GraphModule, sites, plan, example_inputs, value_policy="auto") -> list[SiteReport]:
+    """Rewrite every planned site of `gm` in place; sites the plan does not cover are left untouched."""
+    rewriter = _Rewriter(gm, example_inputs)
+    reports = []
+    for site in sites:
+        planned = plan.site_for(site.k_weight)
+        if planned is None:
+            reports.append(SiteReport(site.index, site.k_weight, site.cache, "untouched: not in the plan"))
+            continue
+        expected = (planned.v_weight, planned.hidden_size, planned.num_kv_heads, planned.head_dim)
+        found = (site.v_weight, site.hidden_size, site.num_kv_heads, site.head_dim)
+        if expected != found:
+            raise PlanMismatch(f"site {site.k_weight}: the plan expects (v weight, hidden, kv heads, head_dim) = "
+                               f"{expected}, the model has {found}")
+        if site.cache == "latent":
+            path = rewriter.latent(site, planned, value_policy)
+        else:
+            rewriter.factored(site.key, planned.down_k, planned.up_k, f"lrkv_site{site.index}_k")
+            rewriter.factored(site.value, planned.down_v, planned.up_v, f"lrkv_site{site.index}_v")
+            path = "full values (factored projection)"
+        reports.append(SiteReport(site.index, site.k_weight, site.cache, "rewritten", planned.rank_k,
+                                  planned.rank_v, path))
+    _prune(gm.graph)
+    rewritten = {r.index for r in reports if r.status == "rewritten"}
+    for site in sites:
+        if site.index in rewritten and site.cache == "latent" and site.cache_nodes[0] in gm.graph.nodes:
+            raise RuntimeError(f"lrkv internal error: site {site.index} still reads full K/V from its LatentCache "
+                               "marker after the rewrite; please report this with lrkv.explain(model)")
+    gm.graph.lint()
+    gm.recompile()
+    return reports
