@@ -45,7 +45,7 @@ class _GramRecorder:
         self.grams = [None] * count
         self.tokens = 0
 
-    def __call__(self, site_index, x):
+    def record(self, site_index, x):
         flat = x.detach().reshape(-1, x.shape[-1]).double().cpu()
         gram = flat.T @ flat
         self.grams[site_index] = gram if self.grams[site_index] is None else self.grams[site_index] + gram
@@ -66,7 +66,7 @@ def collect_grams(model, batches, progress=True):
             recorder = recorder or _GramRecorder(len(sites))
             for site in sites:
                 with gm.graph.inserting_after(site.key.x):
-                    recorded = gm.graph.call_function(recorder, (site.index, site.key.x))
+                    recorded = gm.graph.call_function(recorder.record, (site.index, site.key.x))
                 site.key.x.replace_all_uses_with(recorded, delete_user_cb=lambda user: user is not recorded)
             gm.recompile()
             shapes[key] = (gm, example_inputs, ids_index)
@@ -80,7 +80,7 @@ def collect_grams(model, batches, progress=True):
 
 
 def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_scheme=None, group_size=None,
-               keep_k=None, keep_v=None, progress=True) -> RankPlan:
+               keep_k=None, keep_v=None, progress=True, grams=None) -> RankPlan:
     """Plan every attention site of `model`. With `batches`, factors are activation-aware (whitened SVD)."""
     base_k, base_v = HYBRID.get(scheme, (scheme, scheme))
     k_scheme, v_scheme = k_scheme or base_k, v_scheme or base_v
@@ -88,7 +88,9 @@ def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_s
     keep_v = keep if keep_v is None else keep_v
     probe = as_batches(batches)[0][:1, :16] if batches is not None else torch.arange(8)[None]
     _, _, _, sites, unmatched = discover(model, probe.to(next(model.parameters()).device))
-    grams, tokens = collect_grams(model, batches, progress) if batches is not None else (None, 0)
+    if grams is None and batches is not None:
+        grams = collect_grams(model, batches, progress)
+    grams, tokens = grams if grams is not None else (None, 0)
     params = dict(model.named_parameters())
     rope_groups = {}
     planned = []
@@ -122,7 +124,8 @@ def calibrate(model, batches, keep=0.5, **options) -> RankPlan:
     batches: token-id tensors of real text ([batch, tokens] or [tokens], or a list of them).
     keep: fraction of the full K/V cache kept (0.5 = a 2x smaller cache). Options: scheme ("joint",
     "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme, group_size (heads per
-    group for "group"), keep_k / keep_v (separate K and V fractions), progress.
+    group for "group"), keep_k / keep_v (separate K and V fractions), progress, grams (the result of
+    `collect_grams` on the same batches, to factorize many plans from one pass over the text).
     """
     if batches is None:
         raise PlanError("calibrate needs token batches of real text; use RankPlan.uniform for an uncalibrated plan")

