@@ -1,0 +1,37 @@
+"""Hypothesis strategies and the one tolerance table every numerical test uses."""
+import torch
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+
+VOCAB = 61
+
+
+@st.composite
+def model_configs(draw, dtypes=(torch.float32, torch.bfloat16)):
+    """Small Llama-family attention shapes: heads, GQA ratio, head_dim, hidden size, bias, dtype."""
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from([8, 16, 32]))
+    return dict(
+        num_key_value_heads=kv_heads, num_attention_heads=kv_heads * group, head_dim=head_dim,
+        hidden_size=kv_heads * group * draw(st.sampled_from([4, 8, 16])), attention_bias=draw(st.booleans()),
+        num_hidden_layers=draw(st.integers(1, 2)), dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def build_model(spec) -> LlamaForCausalLM:
+    spec = dict(spec)
+    dtype, seed = spec.pop("dtype"), spec.pop("seed")
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, intermediate_size=64, max_position_embeddings=512, **spec)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    if spec.get("attention_bias"):
+        with torch.no_grad():  # transformers initialises biases to zero; make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    param.normal_(0, 0.5)
+    return model.to(dtype)

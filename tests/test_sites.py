@@ -1,0 +1,68 @@
+"""Site discovery by structure, reports, and what happens to what does not match."""
+import pytest
+import torch
+from transformers import PhiConfig, PhiForCausalLM
+
+import lrkv_compile as lrkv
+from lrkv_compile.passes.sites import find_sites, parameter_name
+from lrkv_compile.trace import capture
+from strategies import build_model
+
+SMALL = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32, attention_bias=True,
+             num_hidden_layers=2, dtype=torch.float32, seed=0)
+
+
+def test_placeholder_names_parse_to_the_parameter_names():
+    model = build_model(SMALL)
+    gm, _, _, name_of = capture(model, torch.arange(6)[None])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and name_of(n)]
+    assert placeholders
+    for node in placeholders:
+        assert parameter_name(node) == name_of(node)
+
+
+def test_explain_reports_sites_ranks_and_value_path():
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    rows = lrkv.explain(model, plan, show=False)
+    assert [r["site"] for r in rows] == [0, 1]
+    assert rows[0]["k_weight"] == "model.layers.0.self_attn.k_proj.weight"
+    assert rows[0]["rope"] == "rotate-half" and rows[0]["heads"] == "4/2" and rows[0]["bias"] is True
+    assert rows[0]["rank_k"] == 16 and rows[0]["value_path"] in ("up after reduction", "absorbed into output projection")
+
+
+def tiny_phi(partial_rotary_factor):
+    torch.manual_seed(0)
+    config = PhiConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=4, partial_rotary_factor=partial_rotary_factor)
+    config._attn_implementation = "sdpa"
+    return PhiForCausalLM(config).eval()
+
+
+def test_partial_rotary_is_reported_unmatched_and_left_untouched():
+    model = tiny_phi(0.5)
+    rows = lrkv.explain(model, show=False)
+    assert len(rows) == 1 and rows[0]["status"].startswith("unmatched")
+    with pytest.raises(lrkv.PlanError, match="no attention site"):
+        lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+
+
+def test_unmatched_site_keeps_the_original_numbers():
+    """A plan that covers no site of a graph leaves that graph's numbers exactly as they were."""
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    phi = tiny_phi(0.5)
+    ids = torch.randint(0, 61, (1, 7))
+    with torch.no_grad():
+        expected = phi(input_ids=ids).logits
+        with pytest.warns(UserWarning, match="left untouched"):
+            got = torch.compile(phi.forward, backend="lrkv", options={"plan": plan})(input_ids=ids).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_find_sites_records_cache_kind():
+    model = build_model(SMALL)
+    gm, _, _, name_of = capture(model, torch.arange(6)[None])
+    sites, unmatched = find_sites(gm, name_of)
+    assert not unmatched and [s.cache for s in sites] == ["none", "none"]
+    assert sites[0].out_proj is not None and sites[0].rope is not None
