@@ -1,9 +1,6 @@
-"""Command line: `lrkv explain`, `lrkv generate` (the main job), `lrkv ppl` (the perplexity table)."""
+"""Command line: `lrkv explain` (what the matcher finds) and `lrkv ppl` (the perplexity table)."""
 import argparse
 import json
-import time
-
-import torch
 
 
 def _data(tokenizer, calib_rows, eval_rows, length):
@@ -18,34 +15,6 @@ def cmd_explain(args):
     from .models import load_smollm2
     model, _ = load_smollm2()
     explain(model, RankPlan.load(args.plan) if args.plan else None)
-
-
-def cmd_generate(args):
-    import lrkv_compile as lrkv
-    from .models import load_smollm2
-    model, tokenizer = load_smollm2()
-    calibration, _ = _data(tokenizer, args.calib_rows, 1, args.length)
-    plan = lrkv.calibrate(model, calibration, keep=args.keep, scheme=args.scheme)
-    plan.save(args.plan)
-    plan = lrkv.RankPlan.load(args.plan)
-    print(plan.summary(), f"-> saved to {args.plan}")
-    reference = lrkv.low_rank_reference(model, plan)
-    prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
-    model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
-    cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=prompt.shape[1] + args.new_tokens)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False)
-        expected = reference.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
-    elapsed = time.perf_counter() - start
-    text = tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
-    ratio = cache.nbytes() / cache.full_cache_nbytes()
-    print(f"\nprompt: {args.prompt!r}\nlrkv (keep={args.keep}, {args.scheme}): {text!r}")
-    print(f"cache: {cache.nbytes()} bytes vs {cache.full_cache_nbytes()} for a full cache (ratio {ratio:.3f})")
-    same = out.shape == expected.shape and bool((out == expected).all())
-    print(f"greedy tokens equal the eager low-rank reference: {same}  ({elapsed:.1f} s for both generations)")
-    if not same:
-        raise SystemExit("lrkv output differs from the eager low-rank reference")
 
 
 def cmd_ppl(args):
@@ -82,22 +51,14 @@ def main(argv=None):
     explain_parser = commands.add_parser("explain", help="attention sites SmolLM2's graph has, and a plan's choices")
     explain_parser.add_argument("--plan", help="a saved plan file")
     explain_parser.set_defaults(run=cmd_explain)
-    generate = commands.add_parser("generate", help="calibrate SmolLM2, compile it with lrkv and generate")
-    generate.add_argument("--keep", type=float, default=0.5)
-    generate.add_argument("--scheme", default="joint", choices=["joint", "head", "group", "hybrid"])
-    generate.add_argument("--prompt", default="The history of the printing press begins")
-    generate.add_argument("--new-tokens", type=int, default=64)
-    generate.add_argument("--plan", default="plan.safetensors")
-    generate.set_defaults(run=cmd_generate)
     ppl = commands.add_parser("ppl", help="perplexity of base vs compressed SmolLM2 per scheme and keep")
     ppl.add_argument("--keeps", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     ppl.add_argument("--schemes", nargs="+", default=["head", "joint", "hybrid"])
     ppl.add_argument("--eval-rows", type=int, default=6)
     ppl.add_argument("--json", help="also write the figures to this JSON file")
     ppl.set_defaults(run=cmd_ppl)
-    for sub in (generate, ppl):
-        sub.add_argument("--calib-rows", type=int, default=8, help="calibration rows of --length tokens")
-        sub.add_argument("--length", type=int, default=512)
+    ppl.add_argument("--calib-rows", type=int, default=8, help="calibration rows of --length tokens")
+    ppl.add_argument("--length", type=int, default=512)
     args = parser.parse_args(argv)
     args.run(args)
 
