@@ -5,6 +5,14 @@
     cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=2048)
     model.generate(ids, past_key_values=cache, max_new_tokens=64)
 """
+import os as _os
+
+# Installed, passes/ lowering/ kernels/ live inside this package (pyproject maps them). Imported straight
+# from a source checkout (repo root on sys.path), they are siblings of this folder: look there too.
+_here = _os.path.dirname(__file__)
+if not _os.path.isdir(_os.path.join(_here, "passes")):
+    __path__.append(_os.path.dirname(_here))
+
 from .errors import (CacheOverflowError, CorruptPlanError, LrkvError, PlanError, PlanMismatchError,
                      UnrewrittenSiteError)
 from .plan import RankPlan, SitePlan
