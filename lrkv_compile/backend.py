@@ -1,24 +1,30 @@
 """The `lrkv` torch.compile backend: find attention sites in the Dynamo graph, rewrite them per the plan.
 
     model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+
+Errors raised here reach the caller wrapped in Dynamo's `BackendCompilerFailed` (the lrkv error is its
+`inner_exception`); `lrkv.check(model, plan)` and `lrkv.compile(model, plan)` raise them unwrapped.
 """
+import logging
 import warnings
 from pathlib import Path
 
 from lrkv_compile.lowering import ops  # noqa: F401  (registers torch.ops.lrkv.*)
-from lrkv_compile.passes.rewrite import PlanMismatch, rewrite
+from lrkv_compile.passes.rewrite import rewrite
 from lrkv_compile.passes.sites import find_sites
-from .errors import PlanError, PlanMismatchError
+from .errors import LrkvWarning, PlanError
+from .fit import check_sites, warn_left_full
 from .plan import RankPlan
 
 OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
            "value_path": "'auto' (by cost), 'absorb' (into the output projection) or 'up' (after the reduction)"}
 _POLICY = {"auto": "auto", "absorb": "always", "up": "never"}
 reports = []  # SiteReports of every graph compiled in this process, newest last
+graph_runs = 0  # calls of graphs this backend compiled: lrkv.compile checks that each forward made one
 _warned_stock_cache = False
 
 
-def _resolve_plan(options) -> tuple[RankPlan, str]:
+def resolve_options(options) -> tuple[RankPlan, str]:
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise PlanError(f"unknown lrkv option(s) {sorted(unknown)}; known: {OPTIONS}")
@@ -35,21 +41,45 @@ def _resolve_plan(options) -> tuple[RankPlan, str]:
     return plan, _POLICY[policy]
 
 
+def _counted(forward):
+    def run(*args):
+        global graph_runs
+        graph_runs += 1
+        return forward(*args)
+    return run
+
+
 def lrkv_backend(gm, example_inputs, options=None, **_):
     """Dynamo backend entry point (registered as 'lrkv' through the torch_dynamo_backends entry point)."""
     global _warned_stock_cache
-    plan, policy = _resolve_plan(dict(options or {}))
+    plan, policy = resolve_options(dict(options or {}))
     sites, unmatched = find_sites(gm)
     for miss in unmatched:
-        warnings.warn(f"lrkv: attention at {miss.node} left untouched: {miss.reason}", stacklevel=2)
-    try:
-        site_reports = rewrite(gm, sites, plan, example_inputs, policy)
-    except PlanMismatch as error:
-        raise PlanMismatchError(f"the plan does not fit this model: {error}") from None
+        warnings.warn(f"lrkv: attention at {miss.node} left untouched: {miss.reason}", LrkvWarning, stacklevel=2)
+    warn_left_full(check_sites(plan, sites, unmatched, where="the compiled graph"))
+    site_reports = rewrite(gm, sites, plan, example_inputs, policy)
     reports.append(site_reports)
     if not _warned_stock_cache and any(r.cache == "concat" and r.status == "rewritten" for r in site_reports):
         _warned_stock_cache = True
         warnings.warn("lrkv: the model runs with a stock transformers cache, which stores full keys and values: "
                       "results follow the plan but cache memory is NOT reduced. Pass "
-                      "past_key_values=lrkv.LatentCache(model, plan, ...) to store latents.", stacklevel=2)
-    return gm.forward
+                      "past_key_values=lrkv.LatentCache(model, plan, ...) to store latents.", LrkvWarning, stacklevel=2)
+    return _counted(gm.forward)
+
+
+class _FallbackAlarm(logging.Filter):
+    """Dynamo reports a frame that hit its recompile limit only in its log, then runs that frame eagerly:
+    for a model compiled with lrkv that is the uncompressed model. Say so as a warning, which users see."""
+
+    def filter(self, record):
+        lines = record.getMessage().splitlines()
+        if reports and lines[0].startswith("torch._dynamo hit config.") and "recompile_limit" in lines[0]:
+            where = lines[1].strip() if len(lines) > 1 else ""
+            warnings.warn(f"lrkv: {lines[0]} ({where}): Dynamo now runs that function WITHOUT compiling it, so "
+                          "a model compiled with backend='lrkv' runs uncompressed. "
+                          "lrkv.compile(model, plan) compiles a private copy of the forward (with its own recompile "
+                          "budget) and raises instead of falling back", LrkvWarning, stacklevel=2)
+        return True
+
+
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_FallbackAlarm())

@@ -4,11 +4,14 @@ Under the lrkv backend each attention site writes [batch, tokens, rank] latents 
 buffers and attends over them directly; no full-size key or value tensor is ever stored. Its
 `update` calls an opaque marker op that the backend replaces: used without the backend it raises.
 """
+import warnings
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lrkv_compile.lowering import ops
-from .errors import PlanError, PlanMismatchError
+from .errors import LrkvWarning, PlanMismatchError
+from .fit import check_parameters, model_layers
 from .plan import RankPlan
 
 
@@ -58,16 +61,18 @@ class LatentCache(Cache):
 
     def __init__(self, model, plan: RankPlan, max_batch_size: int = 1, max_cache_len: int = 2048,
                  dtype: torch.dtype | None = None, device=None):
-        if not isinstance(plan, RankPlan):
-            raise PlanError(f"plan must be a RankPlan, got {type(plan).__name__}")
-        if max_batch_size < 1 or max_cache_len < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} and max_cache_len={max_cache_len} must be >= 1")
-        params = dict(model.named_parameters())
-        missing = [s.k_weight for s in plan.sites if s.k_weight not in params]
-        if missing:
-            raise PlanMismatchError(f"the plan names K projections this model does not have: {missing[:3]}; "
-                                    "make the plan on this model (lrkv.calibrate / RankPlan.uniform)")
-        reference = params[plan.sites[0].k_weight]
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be an integer >= 1")
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len={max_cache_len!r} must be an integer >= 1")
+        check_parameters(plan, model)
+        model_layer_count = model_layers(model)
+        if len(plan.sites) != model_layer_count:
+            raise PlanMismatchError(
+                f"the plan covers layers 0-{len(plan.sites) - 1} of the model's {model_layer_count}; a LatentCache "
+                f"stores latents for every layer, so it needs a plan for all {model_layer_count} (a partial plan "
+                "runs only with a stock cache, which does not reduce memory)")
+        reference = model.get_parameter(plan.sites[0].k_weight)
         dtype = dtype or reference.dtype
         device = device or reference.device
         tables = {}
@@ -85,6 +90,12 @@ class LatentCache(Cache):
         self.plan = plan
         self.rope_tables = list(tables.values())
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        ratio = self.nbytes() / self.full_cache_nbytes()
+        if ratio >= 1:
+            warnings.warn(f"lrkv: this LatentCache takes {ratio:.2f}x the bytes of a full cache of the same capacity "
+                          f"(plan keep={plan.keep:.2f}, plus one RoPE cos/sin row per slot of head_dim="
+                          f"{plan.sites[0].head_dim}): it saves no memory; use a plan with a smaller keep",
+                          LrkvWarning, stacklevel=2)
 
     def nbytes(self) -> int:
         """Bytes held by the cache's buffers (its capacity)."""

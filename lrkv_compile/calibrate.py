@@ -1,35 +1,52 @@
-"""Build rank plans: discover sites, gather activation statistics, factorize per scheme and keep."""
+"""Build rank plans: discover sites, gather activation statistics, factorize per scheme and keep.
+
+Every input is validated before the model is traced or run; the model is traced once per row length
+(one trace for the usual equal-length rows), and that trace both names the sites and records their inputs.
+"""
+import warnings
+from dataclasses import dataclass
+
 import torch
 from tqdm.auto import tqdm
 
-from lrkv_compile.passes.factorize import blocks_for, factorize, whitening_factor
+from lrkv_compile.passes.factorize import SCHEMES, blocks_for, factorize, whitening_factor
 from lrkv_compile.passes.sites import find_sites
-from .errors import PlanError
-from .plan import RankPlan, SitePlan, rank_for
+from .errors import LrkvWarning, PlanError
+from .plan import RankPlan, SitePlan, check_keep, rank_for
 from .trace import capture
 
 HYBRID = {"hybrid": ("head", "joint")}  # STAR-KV: head-wise keys, joint values
+DEFAULT_GROUP_SIZE = 4  # Palu's default group of heads for G-LRD
 
 
 def as_batches(batches) -> list[torch.Tensor]:
-    """Accept a [batch, tokens] tensor, a [tokens] tensor, or a list of either; return a list of 2-D tensors."""
+    """Accept a [batch, tokens] tensor, a [tokens] tensor, or an iterable of either (read once); return a
+    list of 2-D tensors."""
     if isinstance(batches, torch.Tensor):
         batches = [batches]
+    try:
+        batches = list(batches)
+    except TypeError:
+        raise PlanError(f"calibration batches must be token-id tensors or an iterable of them, "
+                        f"got {type(batches).__name__}") from None
     out = []
     for position, batch in enumerate(batches):
         if not isinstance(batch, torch.Tensor) or batch.dtype not in (torch.int32, torch.int64):
-            raise PlanError(f"calibration batch {position} must be an integer tensor of token ids")
+            described = f"a {batch.dtype} tensor" if isinstance(batch, torch.Tensor) else type(batch).__name__
+            raise PlanError(f"calibration batch {position} is {described}; it must be an integer tensor of token ids")
         if batch.dim() == 1:
             batch = batch[None]
-        if batch.dim() != 2 or batch.shape[1] < 2:
-            raise PlanError(f"calibration batch {position} has shape {tuple(batch.shape)}; expected [batch, tokens]")
+        if batch.dim() != 2 or batch.shape[1] < 2 or batch.shape[0] < 1:
+            raise PlanError(f"calibration batch {position} has shape {tuple(batch.shape)}; expected [batch, tokens] "
+                            "with at least 2 tokens")
         out.append(batch)
     if not out:
-        raise PlanError("no calibration batches given")
+        raise PlanError("no calibration batches given (an empty list, or an iterator that was already used up)")
     return out
 
 
 def discover(model, input_ids):
+    """Trace `model` once on `input_ids`; (graph, example inputs, input_ids index, sites, unmatched)."""
     gm, example_inputs, ids_index, name_of = capture(model, input_ids)
     sites, unmatched = find_sites(gm, name_of)
     if not sites:
@@ -38,12 +55,21 @@ def discover(model, input_ids):
     return gm, example_inputs, ids_index, sites, unmatched
 
 
+@dataclass
+class CalibrationStats:
+    """What one pass over the calibration text gives: the sites (from the trace) and each site's K/V input
+    Gram x^T x (float64, summed over `tokens` tokens)."""
+    sites: list
+    unmatched: list
+    grams: list
+    tokens: int
+
+
 class _GramRecorder:
     """Accumulates x^T x (float64) of each site's K/V input, called from inside the traced graph."""
 
     def __init__(self, count):
         self.grams = [None] * count
-        self.tokens = 0
 
     def record(self, site_index, x):
         flat = x.detach().reshape(-1, x.shape[-1]).double().cpu()
@@ -52,80 +78,128 @@ class _GramRecorder:
         return x
 
 
-def collect_grams(model, batches, progress=True):
-    """Input Gram matrices of every site's K/V projections over the calibration batches."""
-    batches = as_batches(batches)
+def _instrument(gm, sites, recorder):
+    for site in sites:
+        with gm.graph.inserting_after(site.key.x):
+            recorded = gm.graph.call_function(recorder.record, (site.index, site.key.x))
+        site.key.x.replace_all_uses_with(recorded, delete_user_cb=lambda user: user is not recorded)
+    gm.recompile()
+
+
+def collect_grams(model, batches, progress=True, check_sites=None) -> CalibrationStats:
+    """Input Gram matrices of every site's K/V projections over the calibration rows, one row per step.
+
+    check_sites(sites), if given, runs after the first trace and before any row is run.
+    """
+    rows = [row[None] for batch in as_batches(batches) for row in batch]
     device = next(model.parameters()).device
-    shapes = {}
-    recorder = None
-    for batch in tqdm(batches, desc="lrkv calibrate: activations", disable=not progress, unit="batch"):
-        batch = batch.to(device)
-        key = tuple(batch.shape)
-        if key not in shapes:
-            gm, example_inputs, ids_index, sites, _ = discover(model, batch)
-            recorder = recorder or _GramRecorder(len(sites))
-            for site in sites:
-                with gm.graph.inserting_after(site.key.x):
-                    recorded = gm.graph.call_function(recorder.record, (site.index, site.key.x))
-                site.key.x.replace_all_uses_with(recorded, delete_user_cb=lambda user: user is not recorded)
-            gm.recompile()
-            shapes[key] = (gm, example_inputs, ids_index)
-        gm, example_inputs, ids_index = shapes[key]
-        inputs = list(example_inputs)
-        inputs[ids_index] = batch
-        with torch.no_grad():
-            gm(*inputs)
-        recorder.tokens += batch.numel()
-    return recorder.grams, recorder.tokens
+    traces, stats, recorder = {}, None, None
+    total = sum(row.shape[1] for row in rows)
+    bar = tqdm(total=total, desc="lrkv calibrate: activations", disable=not progress, unit="tok")
+    with bar:
+        for row in rows:
+            row = row.to(device)
+            length = row.shape[1]
+            if length not in traces:
+                gm, example_inputs, ids_index, sites, unmatched = discover(model, row)
+                if stats is None:
+                    if check_sites is not None:
+                        check_sites(sites)
+                    recorder = _GramRecorder(len(sites))
+                    stats = CalibrationStats(sites, unmatched, recorder.grams, 0)
+                elif [s.k_weight for s in sites] != [s.k_weight for s in stats.sites]:
+                    raise RuntimeError(f"lrkv internal error: rows of {length} tokens trace to other sites")
+                _instrument(gm, sites, recorder)
+                traces[length] = (gm, example_inputs, ids_index)
+            gm, example_inputs, ids_index = traces[length]
+            inputs = list(example_inputs)
+            inputs[ids_index] = row
+            with torch.no_grad():
+                gm(*inputs)
+            stats.tokens += row.numel()
+            bar.update(length)
+    return stats
+
+
+def _schemes(scheme, k_scheme, v_scheme):
+    if scheme not in SCHEMES + tuple(HYBRID):
+        raise PlanError(f"scheme={scheme!r}; choose one of {SCHEMES + tuple(HYBRID)}")
+    for name, value in (("k_scheme", k_scheme), ("v_scheme", v_scheme)):
+        if value is not None and value not in SCHEMES:
+            raise PlanError(f"{name}={value!r}; choose one of {SCHEMES}")
+    base_k, base_v = HYBRID.get(scheme, (scheme, scheme))
+    return k_scheme or base_k, v_scheme or base_v
+
+
+def _blocks(sites, k_scheme, v_scheme, group_size) -> dict:
+    """{(site index, side): factor blocks}, or a PlanError naming the site and the user's value."""
+    blocks = {}
+    for site in sites:
+        for side, scheme_name in (("k", k_scheme), ("v", v_scheme)):
+            try:
+                blocks[site.index, side] = blocks_for(scheme_name, site.num_kv_heads, group_size)
+            except ValueError as error:
+                raise PlanError(f"site {site.index} ({site.k_weight}): {error}") from None
+    return blocks
 
 
 def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_scheme=None, group_size=None,
                keep_k=None, keep_v=None, progress=True, grams=None) -> RankPlan:
-    """Plan every attention site of `model`. With `batches`, factors are activation-aware (whitened SVD)."""
-    base_k, base_v = HYBRID.get(scheme, (scheme, scheme))
-    k_scheme, v_scheme = k_scheme or base_k, v_scheme or base_v
-    keep_k = keep if keep_k is None else keep_k
-    keep_v = keep if keep_v is None else keep_v
-    probe = as_batches(batches)[0][:1, :16] if batches is not None else torch.arange(8)[None]
-    _, _, _, sites, unmatched = discover(model, probe.to(next(model.parameters()).device))
+    """Plan every attention site of `model`. With `batches`, factors are activation-aware (whitened SVD).
+
+    grams: a `CalibrationStats` from `collect_grams` on the same model, to factorize many plans from one pass.
+    """
+    keep = check_keep(keep)
+    keep_k = keep if keep_k is None else check_keep(keep_k, "keep_k")
+    keep_v = keep if keep_v is None else check_keep(keep_v, "keep_v")
+    k_scheme, v_scheme = _schemes(scheme, k_scheme, v_scheme)
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
+    elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise PlanError(f"group_size={group_size!r} must be a positive integer (heads per group)")
+    if grams is not None and not isinstance(grams, CalibrationStats):
+        raise PlanError(f"grams must be the CalibrationStats that collect_grams returns, got {type(grams).__name__}")
     if grams is None and batches is not None:
-        grams = collect_grams(model, batches, progress)
-    grams, tokens = grams if grams is not None else (None, 0)
+        grams = collect_grams(model, batches, progress,
+                              check_sites=lambda sites: _blocks(sites, k_scheme, v_scheme, group_size))
+    if grams is not None:
+        sites, unmatched = grams.sites, grams.unmatched
+    else:
+        _, _, _, sites, unmatched = discover(model, torch.arange(8, device=next(model.parameters()).device)[None])
+    blocks = _blocks(sites, k_scheme, v_scheme, group_size)
+    if unmatched:
+        warnings.warn(f"lrkv: {len(unmatched)} attention call(s) did not match and are left out of the plan "
+                      f"(they stay full): {'; '.join(f'{u.node}: {u.reason}' for u in unmatched)}",
+                      LrkvWarning, stacklevel=3)
     params = dict(model.named_parameters())
     rope_groups = {}
     planned = []
     for site in tqdm(sites, desc="lrkv calibrate: factorize", disable=not progress, unit="site"):
-        whitening = whitening_factor(grams[site.index] / tokens) if grams is not None else None
-        group = group_size or 4  # Palu's default group of heads for G-LRD
-        factors, ranks, blocks = {}, {}, {}
-        for side, scheme_name, side_keep, weight in (("k", k_scheme, keep_k, site.k_weight),
-                                                     ("v", v_scheme, keep_v, site.v_weight)):
-            try:
-                blocks[side] = blocks_for(scheme_name, site.num_kv_heads, group)
-            except ValueError as error:
-                raise PlanError(f"site {site.index} ({weight}): {error}") from error
-            full_dim = site.num_kv_heads * site.head_dim
-            ranks[side] = rank_for(side_keep, full_dim, site.hidden_size, blocks[side])
+        whitening = whitening_factor(grams.grams[site.index] / grams.tokens) if grams is not None else None
+        factors, ranks = {}, {}
+        for side, side_keep, weight in (("k", keep_k, site.k_weight), ("v", keep_v, site.v_weight)):
+            side_blocks = blocks[site.index, side]
+            ranks[side] = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, side_blocks)
             factors[f"down_{side}"], factors[f"up_{side}"] = factorize(
-                params[weight].detach().float().cpu(), whitening, blocks[side], ranks[side])
+                params[weight].detach().float().cpu(), whitening, side_blocks, ranks[side])
         rope_group = rope_groups.setdefault(site.rope_key, len(rope_groups))
         planned.append(SitePlan(
             layer=site.index, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
             num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
-            k_blocks=blocks["k"], v_blocks=blocks["v"], rank_k=ranks["k"], rank_v=ranks["v"],
+            k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"], rank_k=ranks["k"], rank_v=ranks["v"],
             rope_group=rope_group, **factors))
     return RankPlan(sites=tuple(planned), source="calibrated" if grams is not None else "uniform",
-                    calibration_tokens=tokens)
+                    calibration_tokens=grams.tokens if grams is not None else 0)
 
 
 def calibrate(model, batches, keep=0.5, **options) -> RankPlan:
     """Calibrated plan: whitened (activation-aware) SVD of every site's K/V projections.
 
-    batches: token-id tensors of real text ([batch, tokens] or [tokens], or a list of them).
+    batches: token-id tensors of real text ([batch, tokens] or [tokens], or a list or iterator of them).
     keep: fraction of the full K/V cache kept (0.5 = a 2x smaller cache). Options: scheme ("joint",
     "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme, group_size (heads per
-    group for "group"), keep_k / keep_v (separate K and V fractions), progress, grams (the result of
-    `collect_grams` on the same batches, to factorize many plans from one pass over the text).
+    group for "group", default 4), keep_k / keep_v (separate K and V fractions), progress, grams (the
+    result of `collect_grams` on the same model, to factorize many plans from one pass over the text).
     """
     if batches is None:
         raise PlanError("calibrate needs token batches of real text; use RankPlan.uniform for an uncalibrated plan")

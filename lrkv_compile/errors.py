@@ -22,4 +22,10 @@ class CacheOverflowError(LrkvError, RuntimeError):
 
 
 class UnrewrittenSiteError(LrkvError, RuntimeError):
-    """A LatentCache was used by an attention site the lrkv backend did not rewrite."""
+    """An attention site the plan covers did not run rewritten: the lrkv backend did not run (Dynamo fell
+    back to eager), could not match the site, or a LatentCache was used without the backend."""
+
+
+class LrkvWarning(UserWarning):
+    """Something runs, but not as the plan says everywhere (layers left full, memory not reduced, a
+    Dynamo fallback); `warnings.simplefilter("error", lrkv.LrkvWarning)` turns them into errors."""

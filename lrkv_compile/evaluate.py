@@ -4,6 +4,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from .trace import private_forward
+
 
 @torch.no_grad()
 def perplexity(forward, batches, progress=True) -> float:
@@ -19,6 +21,6 @@ def perplexity(forward, batches, progress=True) -> float:
 
 
 def compiled_forward(model, plan):
-    """model.forward compiled with the lrkv backend under `plan` (a fresh Dynamo state for each plan)."""
-    torch._dynamo.reset()
-    return torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+    """The model's forward compiled with the lrkv backend under `plan`, on a private copy of its code, so
+    that scoring many plans never exhausts Dynamo's recompile limit (see `lrkv_compile.trace`)."""
+    return torch.compile(private_forward(model), backend="lrkv", options={"plan": plan})

@@ -3,14 +3,17 @@
 A plan is plain data: a frozen dataclass tree, validated when built and when loaded, saved as one
 safetensors file (tensors + JSON metadata under the key "lrkv_plan", with a schema_version).
 """
+import hashlib
 import json
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from lrkv_compile.passes.factorize import SCHEMES
-from .errors import CorruptPlanError, PlanError
+from .errors import CorruptPlanError, LrkvWarning, PlanError
+from .signature import SiteSignature
 
 SCHEMA_VERSION = 1
 SUPPORTED_BITS = (16,)
@@ -44,6 +47,12 @@ class SitePlan:
     up_v: torch.Tensor = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
+                raise PlanError(f"site field {f.name}={value!r} must be an integer")
+            if f.type in ("str", str) and not isinstance(value, str):
+                raise PlanError(f"site field {f.name}={value!r} must be a string")
         where = f"site {self.layer} ({self.k_weight})"
         kv_dim = self.num_kv_heads * self.head_dim
         for scheme_field in ("k_scheme", "v_scheme"):
@@ -69,6 +78,11 @@ class SitePlan:
                 raise PlanError(f"{where}: factors of {side.upper()} contain NaN or Inf")
 
     @property
+    def signature(self) -> SiteSignature:
+        return SiteSignature(self.layer, self.k_weight, self.v_weight, self.hidden_size, self.num_kv_heads,
+                             self.head_dim)
+
+    @property
     def full_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -89,8 +103,7 @@ class RankPlan:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
-        if self.schema_version != SCHEMA_VERSION:
-            raise PlanError(f"schema_version={self.schema_version}; this lrkv reads version {SCHEMA_VERSION}")
+        _check_schema_version(self.schema_version, "schema_version")
         if not self.sites:
             raise PlanError("a plan needs at least one site")
         for position, site in enumerate(self.sites):
@@ -115,12 +128,13 @@ class RankPlan:
                 f"K/V schemes {schemes}, {self.source})")
 
     def save(self, path) -> None:
-        """Write the plan as one safetensors file."""
+        """Write the plan as one safetensors file, with a checksum of its tensors in the metadata."""
         from safetensors.torch import save_file
-        tensors = {f"sites.{i}.{name}": getattr(site, name).contiguous().float()
+        tensors = {f"sites.{i}.{name}": getattr(site, name).detach().cpu().contiguous().float()
                    for i, site in enumerate(self.sites) for name in _TENSORS}
         meta = {"schema_version": self.schema_version, "source": self.source,
-                "calibration_tokens": self.calibration_tokens, "sites": [s.metadata() for s in self.sites]}
+                "calibration_tokens": self.calibration_tokens, "checksum": tensor_checksum(tensors),
+                "sites": [s.metadata() for s in self.sites]}
         save_file(tensors, str(path), metadata={"lrkv_plan": json.dumps(meta)})
 
     @classmethod
@@ -140,9 +154,17 @@ class RankPlan:
             raise CorruptPlanError(f"{path}: safetensors file without 'lrkv_plan' metadata; it is not an lrkv plan")
         try:
             meta = json.loads(raw)
-            version = meta["schema_version"]
-            if version != SCHEMA_VERSION:
-                raise CorruptPlanError(f"{path}: plan schema_version {version}, this lrkv reads {SCHEMA_VERSION}")
+            try:
+                _check_schema_version(meta["schema_version"], "the file's schema_version")
+            except PlanError as error:
+                raise CorruptPlanError(f"{path}: {error}") from None
+            checksum = meta.get("checksum")
+            if checksum is None:
+                warnings.warn(f"{path}: this plan file has no checksum (written by lrkv 0.1.0), so damage to its "
+                              "tensors cannot be detected; save it again to add one", LrkvWarning, stacklevel=2)
+            elif checksum != tensor_checksum(tensors):
+                raise CorruptPlanError(f"{path}: the tensors do not match the checksum written with them: the file "
+                                       "was damaged or edited after saving; re-create the plan")
             sites = []
             for i, site_meta in enumerate(meta["sites"]):
                 factors = {}
@@ -165,10 +187,36 @@ class RankPlan:
         return build_plan(model, batches=None, keep=keep, **options)
 
 
+def _check_schema_version(version, what: str) -> None:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise PlanError(f"{what}={version!r} must be the integer {SCHEMA_VERSION}")
+    if version != SCHEMA_VERSION:
+        raise PlanError(f"{what}={version} is not readable by this lrkv, which reads schema_version {SCHEMA_VERSION}; "
+                        "use the lrkv release that wrote the plan, or re-create it")
+
+
+def tensor_checksum(tensors: dict) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of `tensors`, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return "sha256:" + digest.hexdigest()
+
+
+def check_keep(keep, name: str = "keep") -> float:
+    """`keep` as a float in (0, 1], or a PlanError naming the user's value."""
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+        raise PlanError(f"{name}={keep!r} must be a number in (0, 1], the fraction of the K/V cache kept")
+    if not 0 < keep <= 1:
+        raise PlanError(f"{name}={keep}: must be in (0, 1], the fraction of the K/V cache kept")
+    return float(keep)
+
+
 def rank_for(keep: float, full_dim: int, hidden_size: int, blocks: int) -> int:
     """The rank a `keep` fraction gives: rounded to a multiple of `blocks`, at least one channel per block."""
-    if not 0 < keep <= 1:
-        raise PlanError(f"keep={keep}: must be in (0, 1], the fraction of the K/V cache kept")
+    keep = check_keep(keep)
     cap = min(full_dim, hidden_size)
     per_block = max(1, min(cap // blocks, round(keep * full_dim / blocks)))
     return per_block * blocks

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .errors import PlanMismatchError
+from .fit import check_parameters
 from .plan import RankPlan
 
 
@@ -27,15 +28,16 @@ class FactoredLinear(nn.Module):
 
 def low_rank_reference(model, plan: RankPlan):
     """A copy of `model` whose planned K/V projections are replaced by the plan's factors (eager, no cache tricks)."""
+    check_parameters(plan, model)
     reference = copy.deepcopy(model)
     modules = dict(reference.named_modules())
     for site in plan.sites:
         for weight_name, down, up in ((site.k_weight, site.down_k, site.up_k), (site.v_weight, site.down_v, site.up_v)):
             module_name = weight_name.rsplit(".", 1)[0]
-            linear = modules.get(module_name)
-            if not isinstance(linear, nn.Linear) or tuple(linear.weight.shape) != (up.shape[1], down.shape[0]):
-                raise PlanMismatchError(f"{weight_name}: the model has no linear layer of shape "
-                                        f"{(up.shape[1], down.shape[0])} there; the plan was made for another model")
+            linear = modules[module_name]
+            if not isinstance(linear, nn.Linear):
+                raise PlanMismatchError(f"{weight_name} belongs to a {type(linear).__name__}, not an nn.Linear; "
+                                        "the eager reference replaces linear projections only")
             factored = FactoredLinear(down, up, linear.bias).to(linear.weight.device, linear.weight.dtype)
             reference.set_submodule(module_name, factored)
     return reference

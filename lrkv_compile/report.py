@@ -1,19 +1,20 @@
 """`lrkv.explain`: what the matcher finds in a model, and what a plan would do at each site."""
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from lrkv_compile.passes.rewrite import choose_value_path
-from lrkv_compile.passes.sites import find_sites
-from .trace import capture
+from .fit import check_parameters, check_sites, trace_sites, warn_left_full
 
 
 def explain(model, plan=None, show=True) -> list[dict]:
     """Report every SDPA call of the model's graph: matched sites (with the plan's ranks and the chosen value
-    path) and unmatched ones with the reason. Returns the rows; prints them as a table when `show`."""
-    probe = torch.arange(8, device=next(model.parameters()).device)[None]
-    gm, _, _, name_of = capture(model, probe)
-    sites, unmatched = find_sites(gm, name_of)
+    path) and unmatched ones with the reason. Returns the rows; prints them as a table when `show`.
+
+    With a plan, the graph is the one generation through a LatentCache gives, and after the table the plan is
+    checked against it (`lrkv.check`'s errors and warnings)."""
+    if plan is not None:
+        check_parameters(plan, model)
+    sites, unmatched = trace_sites(model, plan)
     rows = []
     for site in sites:
         row = {"site": site.index, "status": "matched", "k_weight": site.k_weight,
@@ -36,5 +37,10 @@ def explain(model, plan=None, show=True) -> list[dict]:
             table.add_column(column)
         for row in rows:
             table.add_row(*(str(row.get(column, "")) for column in columns))
-        Console().print(table)
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: do not cut the table to 80 columns
+            console.width = 200
+        console.print(table)
+    if plan is not None:
+        warn_left_full(check_sites(plan, sites, unmatched))
     return rows

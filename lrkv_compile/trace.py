@@ -1,19 +1,58 @@
-"""Capture the Dynamo FX graph of a model's forward: the same graph the lrkv backend will see."""
+"""Capture the Dynamo FX graph of a model's forward (the graph the lrkv backend will see) without leaving
+compiled state behind.
+
+Dynamo keeps its compiled entries, and counts recompiles against `recompile_limit`, per code object.
+transformers wraps every model's `forward` in decorators whose code object is shared by all models, so
+compiling `model.forward` for a trace would spend the user's recompile budget: after a few calibrations
+their own `torch.compile(model.forward, backend="lrkv")` would silently run eager. Every trace here (and
+`lrkv.compile`) therefore compiles a private copy of the forward's code; its entries die with the copy.
+"""
+import types
+
 import torch
 
 
-def capture(model, input_ids: torch.Tensor):
-    """Trace `model.forward(input_ids=..., use_cache=False)` with Dynamo; returns (graph module, example
-    inputs, index of input_ids among them, name_of) where name_of maps a placeholder to its parameter name."""
+def private_forward(model):
+    """`type(model).forward` bound to `model`, with a code object of its own (see the module docstring).
+
+    The class's forward is used, so an instance-level `model.forward = torch.compile(...)` is looked through.
+    """
+    function = type(model).forward
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__dict__.update(function.__dict__)  # functools.wraps' __wrapped__, which the wrapper's body reads
+    return types.MethodType(copy, model)
+
+
+class _Captured(Exception):
+    """Raised by the capturing graph instead of running it: a trace needs the graph, not its outputs."""
+
+
+def capture(model, input_ids: torch.Tensor, past_key_values=None):
+    """Trace `model.forward(input_ids=...)` with Dynamo, through `past_key_values` if given (else with
+    use_cache=False); the graph is captured, never run, and no compiled state outlives the call.
+
+    Returns (graph module, example inputs, index of input_ids among them, name_of) where name_of maps a
+    placeholder to its parameter name.
+    """
     captured = []
 
     def keep_graph(gm, example_inputs, **_):
         captured.append((gm, list(example_inputs)))
-        return gm.forward
 
-    compiled = torch.compile(model.forward, backend=keep_graph, fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        compiled(input_ids=input_ids, use_cache=False)
+        def stop(*args):
+            raise _Captured()
+        return stop
+
+    compiled = torch.compile(private_forward(model), backend=keep_graph, fullgraph=True, dynamic=False)
+    cache_kwargs = {"past_key_values": past_key_values, "use_cache": True} if past_key_values is not None \
+        else {"use_cache": False}
+    try:
+        with torch.no_grad():
+            compiled(input_ids=input_ids, **cache_kwargs)
+    except _Captured:
+        pass
     if len(captured) != 1:
         raise RuntimeError(f"expected one graph from the model's forward, Dynamo produced {len(captured)}")
     gm, example_inputs = captured[0]

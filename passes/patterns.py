@@ -131,6 +131,24 @@ def follow_layout_chain(node: Node) -> tuple[list[Node], Optional[Node]]:
     return chain, None
 
 
+def unwrap_slot_crop(node):
+    """x[:, :, :n] (or x[:, :, :n, :]) -> x: transformers' SDPA integration crops keys and values to the
+    query length when a prefill into an empty preallocated cache runs with is_causal=True and no mask.
+    A latent site attends over exactly the slots written so far, which is that prefix."""
+    if not is_function(node, {operator.getitem}) or not isinstance(node.args[0], Node):
+        return node
+    index = node.args[1]
+    if not isinstance(index, tuple) or len(index) not in (3, 4):
+        return node
+    full = slice(None, None, None)
+    crop = index[2]
+    if index[:2] != (full, full) or index[3:] not in ((), (full,)):
+        return node
+    if isinstance(crop, slice) and crop.start in (None, 0) and crop.step in (None, 1) and crop.stop is not None:
+        return node.args[0]
+    return node
+
+
 def unwrap_repeat_kv(node):
     """x[:, :, None].expand(b, kv, n_rep, t, d).reshape(b, kv * n_rep, t, d) -> x (transformers' repeat_kv)."""
     if not is_method(node, RESHAPE_METHODS):

@@ -14,15 +14,12 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from lrkv_compile.errors import PlanMismatchError
 from .patterns import LINEAR_TARGETS, is_function, is_method
 
 PURE_FUNCTIONS = LINEAR_TARGETS | {operator.add, operator.mul, operator.neg, operator.getitem, torch.cat,
                                    torch.add, torch.mul, torch.neg}
 PURE_METHODS = {"view", "reshape", "transpose", "contiguous", "unsqueeze", "flatten", "permute", "expand", "size"}
-
-
-class PlanMismatch(ValueError):
-    """Raised by the rewrite when a plan's site does not fit the graph's site."""
 
 
 @dataclass
@@ -81,10 +78,10 @@ class _Rewriter:
         marker = site.cache_nodes[0]
         _, _, buf_k, buf_v, rope_cos, rope_sin, length, layer_idx = marker.args
         if layer_idx != planned.layer:
-            raise PlanMismatch(f"LatentCache layer {layer_idx} runs the site the plan lists as layer {planned.layer}")
+            raise PlanMismatchError(f"LatentCache layer {layer_idx} runs the site the plan lists as layer {planned.layer}")
         for buffer, rank, side in ((buf_k, planned.rank_k, "K"), (buf_v, planned.rank_v, "V")):
             if buffer.meta["example_value"].shape[-1] != rank:
-                raise PlanMismatch(f"layer {layer_idx}: the LatentCache holds {side} latents of rank "
+                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache holds {side} latents of rank "
                                    f"{buffer.meta['example_value'].shape[-1]}, the plan says {rank}; build the "
                                    "LatentCache from the same plan the model is compiled with")
         name = f"lrkv_site{site.index}"
@@ -160,7 +157,8 @@ def _prune(graph):
 
 
 def rewrite(gm: GraphModule, sites, plan, example_inputs, value_policy="auto") -> list[SiteReport]:
-    """Rewrite every planned site of `gm` in place; sites the plan does not cover are left untouched."""
+    """Rewrite every planned site of `gm` in place; sites the plan does not cover are left untouched.
+    The caller has checked that the plan fits the sites (`lrkv_compile.fit.check_sites`)."""
     rewriter = _Rewriter(gm, example_inputs)
     reports = []
     for site in sites:
@@ -168,11 +166,6 @@ def rewrite(gm: GraphModule, sites, plan, example_inputs, value_policy="auto") -
         if planned is None:
             reports.append(SiteReport(site.index, site.k_weight, site.cache, "untouched: not in the plan"))
             continue
-        expected = (planned.v_weight, planned.hidden_size, planned.num_kv_heads, planned.head_dim)
-        found = (site.v_weight, site.hidden_size, site.num_kv_heads, site.head_dim)
-        if expected != found:
-            raise PlanMismatch(f"site {site.k_weight}: the plan expects (v weight, hidden, kv heads, head_dim) = "
-                               f"{expected}, the model has {found}")
         if site.cache == "latent":
             path = rewriter.latent(site, planned, value_policy)
         else:

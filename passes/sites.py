@@ -13,8 +13,9 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from lrkv_compile.signature import SiteSignature
 from .patterns import (SDPA_TARGETS, follow_layout_chain, is_function, match_head_projection, match_rope, shape_of,
-                       unwrap_repeat_kv)
+                       unwrap_repeat_kv, unwrap_slot_crop)
 
 CACHE_MARKER = "lrkv.cache_marker"
 
@@ -42,6 +43,11 @@ class AttentionSite:
     out_chain: list = field(default_factory=list)
     out_proj: Optional[Node] = None
     rope_key: Optional[str] = None  # name of the cos node: sites sharing it share RoPE tables
+
+    @property
+    def signature(self) -> SiteSignature:
+        return SiteSignature(self.index, self.k_weight, self.v_weight, self.hidden_size, self.num_kv_heads,
+                             self.head_dim)
 
 
 @dataclass
@@ -90,13 +96,23 @@ def _split_cache(node: Node):
 
 
 def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
-    args = list(sdpa.args) + [None] * 3
+    args = list(sdpa.args) + [None] * 6
     query, key_in, value_in = (sdpa.kwargs.get(k, args[i]) for i, k in enumerate(("query", "key", "value")))
+    if sdpa.kwargs.get("dropout_p", args[4] or 0.0) != 0.0:
+        return "attention dropout is on (a model in training mode); call model.eval()"
+    cropped = unwrap_slot_crop(key_in) is not key_in
+    if cropped != (unwrap_slot_crop(value_in) is not value_in):
+        return "keys and values are cropped to different slots"
+    key_in, value_in = unwrap_slot_crop(key_in), unwrap_slot_crop(value_in)
     repeated = unwrap_repeat_kv(key_in) is not key_in
     k_cache, k_new, k_nodes = _split_cache(unwrap_repeat_kv(key_in))
     v_cache, v_new, v_nodes = _split_cache(unwrap_repeat_kv(value_in))
     if k_cache != v_cache:
         return f"keys and values use different caches ({k_cache} / {v_cache})"
+    if k_cache == "latent" and sdpa.kwargs.get("is_causal", args[5]) and not cropped:
+        # SDPA's is_causal aligns the causal mask top-left; the latent attention aligns it to the newest slot.
+        # The two agree only when keys are cropped to the queries (a prefill into an empty cache).
+        return "is_causal=True over a cache longer than the queries (top-left aligned causal mask)"
     if k_cache == "latent" and k_nodes[0] is not v_nodes[0]:
         return "keys and values come from different LatentCache updates"
     rope = match_rope(k_new)

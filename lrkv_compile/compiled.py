@@ -1,0 +1,74 @@
+"""`lrkv.compile(model, plan)`: the strict path in one call (check, compile, cache, never a silent fallback).
+
+    lm = lrkv.compile(model, plan)
+    out = lm.generate(ids, max_new_tokens=64)     # a LatentCache sized for the call is made for you
+    lm.cache.nbytes()
+"""
+import torch
+from torch._dynamo.exc import BackendCompilerFailed
+
+from . import backend
+from .cache import LatentCache
+from .errors import LrkvError, UnrewrittenSiteError
+from .fit import check
+from .plan import RankPlan
+from .trace import private_forward
+
+CACHE_ROUNDING = 256  # cache capacities are rounded up to this, so varied lengths reuse compiled graphs
+
+
+class CompiledModel:
+    """`model` with its forward compiled by the lrkv backend under `plan`.
+
+    Calling it (or `.forward`) runs the compiled forward; `.generate` generates through a LatentCache.
+    Every call checks that the lrkv graph ran: Dynamo falling back to eager (a recompile limit, a
+    `torch.compiler.set_stance("force_eager")`, a disabled region) raises UnrewrittenSiteError instead
+    of returning the uncompressed model's answer, and lrkv's errors arrive unwrapped from Dynamo's.
+    """
+
+    def __init__(self, model, plan: RankPlan, value_path: str = "auto"):
+        self.model, self.plan = model, plan
+        self.cache = None  # the LatentCache of the last `generate` call that made one
+        self._compiled = torch.compile(private_forward(model), backend="lrkv", fullgraph=True,
+                                       options={"plan": plan, "value_path": value_path})
+        model.forward = self.forward  # generate() calls model.forward
+
+    def forward(self, *args, **kwargs):
+        before = backend.graph_runs
+        try:
+            out = self._compiled(*args, **kwargs)
+        except BackendCompilerFailed as error:
+            if isinstance(error.inner_exception, LrkvError):
+                raise error.inner_exception from None
+            raise
+        if backend.graph_runs == before:
+            raise UnrewrittenSiteError(
+                "the model's forward ran without the lrkv graph (Dynamo ran it eagerly: "
+                "torch.compiler.set_stance('force_eager'), a torch.compiler.disable region, or a recompile limit), "
+                "so the answer would be the uncompressed model's")
+        return out
+
+    __call__ = forward
+
+    def generate(self, input_ids, max_new_tokens=None, past_key_values=None, **kwargs):
+        """`model.generate` through a LatentCache: the one passed, or a new one sized for this call (its
+        capacity rounded up to a multiple of 256 slots), kept as `self.cache`."""
+        if past_key_values is None:
+            max_new_tokens = max_new_tokens or self.model.generation_config.max_new_tokens
+            if max_new_tokens is None:
+                raise ValueError("pass max_new_tokens= (or a LatentCache as past_key_values): the cache is sized "
+                                 "for the prompt plus the new tokens")
+            needed = input_ids.shape[1] + max_new_tokens
+            capacity = -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING
+            past_key_values = self.cache = LatentCache(self.model, self.plan, max_batch_size=input_ids.shape[0],
+                                                       max_cache_len=capacity)
+        return self.model.generate(input_ids, max_new_tokens=max_new_tokens, past_key_values=past_key_values,
+                                   **kwargs)
+
+
+def compile(model, plan, value_path: str = "auto") -> CompiledModel:
+    """Check `plan` against `model` (lrkv's errors, raised directly), then compile the model's forward with
+    the lrkv backend and fullgraph=True. `plan` is a RankPlan or the path of a saved one."""
+    plan, _ = backend.resolve_options({"plan": plan, "value_path": value_path})
+    check(model, plan)
+    return CompiledModel(model, plan, value_path)

@@ -1,0 +1,100 @@
+"""Whether a plan fits a model: the one check the backend, LatentCache, explain and the reference use.
+
+Two levels of evidence, one set of rules:
+- `check_parameters(plan, model)`: no trace; every planned K/V weight exists with the planned shape.
+- `check_sites(plan, sites, unmatched)`: the sites matched in a traced graph carry the plan's signatures.
+`check(model, plan)` runs both on the graph a LatentCache prefill gives, outside torch.compile, so its
+errors arrive as lrkv's own types (inside torch.compile Dynamo wraps them in BackendCompilerFailed).
+"""
+import warnings
+
+import torch
+
+from .errors import LrkvWarning, PlanError, PlanMismatchError, UnrewrittenSiteError
+from .plan import RankPlan
+
+_REMAKE = "make the plan on this model (lrkv.calibrate or lrkv.RankPlan.uniform)"
+
+
+def _listed(items, limit=4) -> str:
+    items = list(items)
+    return "; ".join(map(str, items[:limit])) + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_parameters(plan: RankPlan, model) -> None:
+    """Every planned K/V weight exists in `model` as [num_kv_heads * head_dim, hidden_size]."""
+    if not isinstance(plan, RankPlan):
+        raise PlanError(f"plan must be a RankPlan, got {type(plan).__name__}")
+    params = dict(model.named_parameters())
+    problems = []
+    for site in plan.sites:
+        expected = (site.full_dim, site.hidden_size)
+        for name in (site.k_weight, site.v_weight):
+            if name not in params:
+                problems.append(f"layer {site.layer}: the model has no parameter {name!r}")
+            elif tuple(params[name].shape) != expected:
+                problems.append(f"layer {site.layer}: {name} has shape {tuple(params[name].shape)}, "
+                                f"the plan expects {expected}")
+    if problems:
+        raise PlanMismatchError(f"the plan does not fit this model: {_listed(problems)}; {_REMAKE}")
+
+
+def check_sites(plan: RankPlan, sites, unmatched, where: str = "the model's graph") -> list:
+    """Compare the plan with the sites matched in a graph. Raises PlanMismatchError where a planned site
+    differs or is absent, UnrewrittenSiteError where it is among the attention the matcher could not
+    handle; returns the matched sites the plan does not cover (they stay full)."""
+    by_weight = {site.k_weight: site for site in sites}
+    problems = [f"layer {planned.layer} ({planned.k_weight}): " + ", ".join(differences)
+                for planned in plan.sites if planned.k_weight in by_weight
+                for differences in [planned.signature.differences(by_weight[planned.k_weight].signature)]
+                if differences]
+    if problems:
+        raise PlanMismatchError(f"the plan does not fit this model: {_listed(problems)}; {_REMAKE}")
+    missing = [planned for planned in plan.sites if planned.k_weight not in by_weight]
+    if missing and unmatched:
+        raise UnrewrittenSiteError(
+            f"planned layers {[p.layer for p in missing]} did not match in {where}, so they would run "
+            f"uncompressed; attention the matcher could not handle: "
+            f"{_listed(f'{u.node}: {u.reason}' for u in unmatched)}. lrkv.explain(model) lists every site")
+    if missing and sites:
+        raise PlanMismatchError(f"{where} has no attention site reading {_listed(p.k_weight for p in missing)}: "
+                                f"the plan was made for another model; {_REMAKE}")
+    return [site for site in sites if plan.site_for(site.k_weight) is None]
+
+
+def warn_left_full(left_full) -> None:
+    if left_full:
+        warnings.warn(f"lrkv: layers {[site.index for site in left_full]} are not in the plan and stay full "
+                      f"(uncompressed): {_listed(site.k_weight for site in left_full)}", LrkvWarning, stacklevel=3)
+
+
+def model_layers(model) -> int:
+    """Number of decoder layers the model's (text) config declares."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
+
+
+def trace_sites(model, plan: RankPlan = None):
+    """(sites, unmatched) of the graph the backend will see: a prefill through a LatentCache of `plan`
+    (without a cache when there is no plan, or the plan leaves layers full and so needs a stock cache)."""
+    from .cache import LatentCache
+    from .trace import capture
+    from lrkv_compile.passes.sites import find_sites
+    probe = torch.arange(8, device=next(model.parameters()).device)[None]
+    covers_all = plan is not None and len(plan.sites) == model_layers(model)
+    cache = None
+    if covers_all:
+        with warnings.catch_warnings():  # a probe's cache: its size says nothing about the user's
+            warnings.simplefilter("ignore", LrkvWarning)
+            cache = LatentCache(model, plan, max_batch_size=1, max_cache_len=16)
+    gm, _, _, name_of = capture(model, probe, past_key_values=cache)
+    return find_sites(gm, name_of)
+
+
+def check(model, plan: RankPlan) -> list:
+    """Pre-flight: raise lrkv's documented errors if `plan` does not fit `model` as generation will run it,
+    warn about layers left full. Returns the matched sites."""
+    check_parameters(plan, model)
+    sites, unmatched = trace_sites(model, plan)
+    warn_left_full(check_sites(plan, sites, unmatched))
+    return sites
