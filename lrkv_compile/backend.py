@@ -15,6 +15,7 @@ from lrkv_compile.passes.sites import find_sites
 from .errors import LrkvWarning, PlanError
 from .fit import check_sites, warn_left_full
 from .plan import RankPlan
+from .trace import PRIVATE_NAME
 
 OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
            "value_path": "'auto' (by cost), 'absorb' (into the output projection) or 'up' (after the reduction)"}
@@ -56,7 +57,7 @@ def lrkv_backend(gm, example_inputs, options=None, **_):
     sites, unmatched = find_sites(gm)
     for miss in unmatched:
         warnings.warn(f"lrkv: attention at {miss.node} left untouched: {miss.reason}", LrkvWarning, stacklevel=2)
-    warn_left_full(check_sites(plan, sites, unmatched, where="the compiled graph"))
+    warn_left_full(check_sites(plan, sites, unmatched, whole_model=False))
     site_reports = rewrite(gm, sites, plan, example_inputs, policy)
     reports.append(site_reports)
     if not _warned_stock_cache and any(r.cache == "concat" and r.status == "rewritten" for r in site_reports):
@@ -73,10 +74,11 @@ class _FallbackAlarm(logging.Filter):
 
     def filter(self, record):
         lines = record.getMessage().splitlines()
-        if reports and lines[0].startswith("torch._dynamo hit config.") and "recompile_limit" in lines[0]:
-            where = lines[1].strip() if len(lines) > 1 else ""
-            warnings.warn(f"lrkv: {lines[0]} ({where}): Dynamo now runs that function WITHOUT compiling it, so "
-                          "a model compiled with backend='lrkv' runs uncompressed. "
+        where = lines[1].strip() if len(lines) > 1 else ""
+        if reports and lines[0].startswith("torch._dynamo hit config.") and "recompile_limit" in lines[0] \
+                and PRIVATE_NAME not in where:  # lrkv's own copies are traced or compiled with fullgraph: no fallback
+            warnings.warn(f"lrkv: {lines[0]} ({where}): Dynamo now runs that function WITHOUT compiling it; if it is "
+                          "a model's forward compiled with backend='lrkv', that model runs uncompressed. "
                           "lrkv.compile(model, plan) compiles a private copy of the forward (with its own recompile "
                           "budget) and raises instead of falling back", LrkvWarning, stacklevel=2)
         return True

@@ -5,7 +5,7 @@
     lm.cache.nbytes()
 """
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
 from . import backend
 from .cache import LatentCache
@@ -21,9 +21,10 @@ class CompiledModel:
     """`model` with its forward compiled by the lrkv backend under `plan`.
 
     Calling it (or `.forward`) runs the compiled forward; `.generate` generates through a LatentCache.
-    Every call checks that the lrkv graph ran: Dynamo falling back to eager (a recompile limit, a
-    `torch.compiler.set_stance("force_eager")`, a disabled region) raises UnrewrittenSiteError instead
-    of returning the uncompressed model's answer, and lrkv's errors arrive unwrapped from Dynamo's.
+    `model` itself is left as it was. Every call checks that the lrkv graph ran: Dynamo running the
+    forward eagerly (`torch.compiler.set_stance("force_eager")`, a disabled region) or reaching its
+    recompile limit raises UnrewrittenSiteError instead of returning the uncompressed model's answer,
+    and lrkv's errors arrive unwrapped from Dynamo's.
     """
 
     def __init__(self, model, plan: RankPlan, value_path: str = "auto"):
@@ -31,7 +32,6 @@ class CompiledModel:
         self.cache = None  # the LatentCache of the last `generate` call that made one
         self._compiled = torch.compile(private_forward(model), backend="lrkv", fullgraph=True,
                                        options={"plan": plan, "value_path": value_path})
-        model.forward = self.forward  # generate() calls model.forward
 
     def forward(self, *args, **kwargs):
         before = backend.graph_runs
@@ -41,29 +41,48 @@ class CompiledModel:
             if isinstance(error.inner_exception, LrkvError):
                 raise error.inner_exception from None
             raise
+        except FailOnRecompileLimitHit as error:
+            raise UnrewrittenSiteError(
+                f"Dynamo reached torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit} for "
+                "this compiled model (many different input shapes); raise the limit, or call lrkv.compile again "
+                "for a fresh budget") from error
         if backend.graph_runs == before:
             raise UnrewrittenSiteError(
                 "the model's forward ran without the lrkv graph (Dynamo ran it eagerly: "
-                "torch.compiler.set_stance('force_eager'), a torch.compiler.disable region, or a recompile limit), "
+                "torch.compiler.set_stance('force_eager') or a torch.compiler.disable region), "
                 "so the answer would be the uncompressed model's")
         return out
 
     __call__ = forward
 
-    def generate(self, input_ids, max_new_tokens=None, past_key_values=None, **kwargs):
-        """`model.generate` through a LatentCache: the one passed, or a new one sized for this call (its
-        capacity rounded up to a multiple of 256 slots), kept as `self.cache`."""
+    def generate(self, input_ids, past_key_values=None, **kwargs):
+        """`model.generate` through this compiled forward and a LatentCache: the one passed, or a new one
+        sized for this call (prompt + max_new_tokens, or max_length, rounded up to a multiple of 256 slots;
+        rows x num_beams x num_return_sequences), kept as `self.cache`."""
         if past_key_values is None:
-            max_new_tokens = max_new_tokens or self.model.generation_config.max_new_tokens
-            if max_new_tokens is None:
+            config = kwargs.get("generation_config") or self.model.generation_config
+            setting = lambda name: kwargs.get(name, getattr(config, name, None))  # noqa: E731
+            if setting("max_new_tokens") is not None:
+                needed = input_ids.shape[1] + setting("max_new_tokens")
+            elif "max_length" in kwargs:
+                needed = kwargs["max_length"]
+            else:
                 raise ValueError("pass max_new_tokens= (or a LatentCache as past_key_values): the cache is sized "
                                  "for the prompt plus the new tokens")
-            needed = input_ids.shape[1] + max_new_tokens
+            rows = input_ids.shape[0] * (setting("num_beams") or 1) * (setting("num_return_sequences") or 1)
             capacity = -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING
-            past_key_values = self.cache = LatentCache(self.model, self.plan, max_batch_size=input_ids.shape[0],
+            past_key_values = self.cache = LatentCache(self.model, self.plan, max_batch_size=rows,
                                                        max_cache_len=capacity)
-        return self.model.generate(input_ids, max_new_tokens=max_new_tokens, past_key_values=past_key_values,
-                                   **kwargs)
+        had_forward = "forward" in self.model.__dict__
+        previous = self.model.__dict__.get("forward")
+        self.model.forward = self.forward  # generate() calls model.forward; set only for this call
+        try:
+            return self.model.generate(input_ids, past_key_values=past_key_values, **kwargs)
+        finally:
+            if had_forward:
+                self.model.forward = previous
+            else:
+                del self.model.forward
 
 
 def compile(model, plan, value_path: str = "auto") -> CompiledModel:

@@ -23,4 +23,4 @@ def perplexity(forward, batches, progress=True) -> float:
 def compiled_forward(model, plan):
     """The model's forward compiled with the lrkv backend under `plan`, on a private copy of its code, so
     that scoring many plans never exhausts Dynamo's recompile limit (see `lrkv_compile.trace`)."""
-    return torch.compile(private_forward(model), backend="lrkv", options={"plan": plan})
+    return torch.compile(private_forward(model), backend="lrkv", fullgraph=True, options={"plan": plan})

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from .errors import LrkvWarning, PlanError, PlanMismatchError, UnrewrittenSiteError
-from .plan import RankPlan
+from .plan import RankPlan, weight_fingerprint
 
 _REMAKE = "make the plan on this model (lrkv.calibrate or lrkv.RankPlan.uniform)"
 
@@ -21,8 +21,18 @@ def _listed(items, limit=4) -> str:
     return "; ".join(map(str, items[:limit])) + (f"; and {len(items) - limit} more" if len(items) > limit else "")
 
 
+FINGERPRINT_TOLERANCE = 2e-3  # relative; dtype casts stay far below, another checkpoint far above
+
+
+def _fingerprint_difference(planned: tuple, weight) -> float:
+    found = torch.tensor(weight_fingerprint(weight), dtype=torch.float64)
+    planned = torch.tensor(planned, dtype=torch.float64)
+    return float((found - planned).norm() / planned.norm().clamp_min(1e-30))
+
+
 def check_parameters(plan: RankPlan, model) -> None:
-    """Every planned K/V weight exists in `model` as [num_kv_heads * head_dim, hidden_size]."""
+    """Every planned K/V weight exists in `model` as [num_kv_heads * head_dim, hidden_size] and holds the
+    values the plan's factors were made from (by fingerprint)."""
     if not isinstance(plan, RankPlan):
         raise PlanError(f"plan must be a RankPlan, got {type(plan).__name__}")
     params = dict(model.named_parameters())
@@ -35,14 +45,32 @@ def check_parameters(plan: RankPlan, model) -> None:
             elif tuple(params[name].shape) != expected:
                 problems.append(f"layer {site.layer}: {name} has shape {tuple(params[name].shape)}, "
                                 f"the plan expects {expected}")
+    if not problems:
+        for site in plan.sites:
+            for name, fingerprint in ((site.k_weight, site.k_fingerprint), (site.v_weight, site.v_fingerprint)):
+                difference = _fingerprint_difference(fingerprint, params[name]) if fingerprint else 0.0
+                if difference > FINGERPRINT_TOLERANCE:
+                    problems.append(f"layer {site.layer}: {name} holds other values than the weight the plan was "
+                                    f"made from (relative difference {difference:.3g}): another checkpoint, e.g. "
+                                    "a fine-tune")
     if problems:
         raise PlanMismatchError(f"the plan does not fit this model: {_listed(problems)}; {_REMAKE}")
 
 
-def check_sites(plan: RankPlan, sites, unmatched, where: str = "the model's graph") -> list:
+def check_sites(plan: RankPlan, sites, unmatched, whole_model: bool = True) -> list:
     """Compare the plan with the sites matched in a graph. Raises PlanMismatchError where a planned site
     differs or is absent, UnrewrittenSiteError where it is among the attention the matcher could not
-    handle; returns the matched sites the plan does not cover (they stay full)."""
+    handle or the graph has no SDPA call at all (a warning for a graph that may be a fragment of the
+    model's forward); returns the matched sites the plan does not cover (they stay full)."""
+    where = "the model's graph" if whole_model else "the compiled graph"
+    if not sites and not unmatched:
+        message = (f"{where} has no scaled_dot_product_attention call, so lrkv rewrites nothing and the model "
+                   "runs uncompressed: load the model with attn_implementation='sdpa'")
+        if whole_model:
+            raise UnrewrittenSiteError(message)
+        warnings.warn(f"lrkv: {message} (if this graph is a fragment of the forward without attention, "
+                      "ignore this)", LrkvWarning, stacklevel=3)
+        return []
     by_weight = {site.k_weight: site for site in sites}
     problems = [f"layer {planned.layer} ({planned.k_weight}): " + ", ".join(differences)
                 for planned in plan.sites if planned.k_weight in by_weight
@@ -58,7 +86,8 @@ def check_sites(plan: RankPlan, sites, unmatched, where: str = "the model's grap
             f"{_listed(f'{u.node}: {u.reason}' for u in unmatched)}. lrkv.explain(model) lists every site")
     if missing and sites:
         raise PlanMismatchError(f"{where} has no attention site reading {_listed(p.k_weight for p in missing)}: "
-                                f"the plan was made for another model; {_REMAKE}")
+                                "the plan was made for another model, or a graph break split the forward "
+                                f"(compile with fullgraph=True, or use lrkv.compile); {_REMAKE}")
     return [site for site in sites if plan.site_for(site.k_weight) is None]
 
 

@@ -41,6 +41,9 @@ class SitePlan:
     rope_group: int = 0
     bits_k: int = 16
     bits_v: int = 16
+    # weight_fingerprint of the K and V weights the factors were made from; () where unknown
+    k_fingerprint: tuple = ()
+    v_fingerprint: tuple = ()
     down_k: torch.Tensor = field(default=None, repr=False, compare=False)
     up_k: torch.Tensor = field(default=None, repr=False, compare=False)
     down_v: torch.Tensor = field(default=None, repr=False, compare=False)
@@ -53,6 +56,11 @@ class SitePlan:
                 raise PlanError(f"site field {f.name}={value!r} must be an integer")
             if f.type in ("str", str) and not isinstance(value, str):
                 raise PlanError(f"site field {f.name}={value!r} must be a string")
+        for name in ("k_fingerprint", "v_fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)) or not all(isinstance(x, (int, float)) for x in value):
+                raise PlanError(f"site field {name}={value!r} must be a list of numbers")
+            object.__setattr__(self, name, tuple(float(x) for x in value))
         where = f"site {self.layer} ({self.k_weight})"
         kv_dim = self.num_kv_heads * self.head_dim
         for scheme_field in ("k_scheme", "v_scheme"):
@@ -79,7 +87,7 @@ class SitePlan:
 
     @property
     def signature(self) -> SiteSignature:
-        return SiteSignature(self.layer, self.k_weight, self.v_weight, self.hidden_size, self.num_kv_heads,
+        return SiteSignature(self.k_weight, self.v_weight, self.hidden_size, self.num_kv_heads,
                              self.head_dim)
 
     @property
@@ -91,7 +99,8 @@ class SitePlan:
         return self.rank_k * self.bits_k / 16 + self.rank_v * self.bits_v / 16
 
     def metadata(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _TENSORS}
+        return {f.name: list(value) if isinstance(value := getattr(self, f.name), tuple) else value
+                for f in fields(self) if f.name not in _TENSORS}
 
 
 @dataclass(frozen=True)
@@ -133,8 +142,8 @@ class RankPlan:
         tensors = {f"sites.{i}.{name}": getattr(site, name).detach().cpu().contiguous().float()
                    for i, site in enumerate(self.sites) for name in _TENSORS}
         meta = {"schema_version": self.schema_version, "source": self.source,
-                "calibration_tokens": self.calibration_tokens, "checksum": tensor_checksum(tensors),
-                "sites": [s.metadata() for s in self.sites]}
+                "calibration_tokens": self.calibration_tokens, "sites": [s.metadata() for s in self.sites]}
+        meta["checksum"] = tensor_checksum(tensors, meta)
         save_file(tensors, str(path), metadata={"lrkv_plan": json.dumps(meta)})
 
     @classmethod
@@ -158,13 +167,13 @@ class RankPlan:
                 _check_schema_version(meta["schema_version"], "the file's schema_version")
             except PlanError as error:
                 raise CorruptPlanError(f"{path}: {error}") from None
-            checksum = meta.get("checksum")
+            checksum = meta.pop("checksum", None)
             if checksum is None:
                 warnings.warn(f"{path}: this plan file has no checksum (written by lrkv 0.1.0), so damage to its "
                               "tensors cannot be detected; save it again to add one", LrkvWarning, stacklevel=2)
-            elif checksum != tensor_checksum(tensors):
-                raise CorruptPlanError(f"{path}: the tensors do not match the checksum written with them: the file "
-                                       "was damaged or edited after saving; re-create the plan")
+            elif checksum != tensor_checksum(tensors, meta):
+                raise CorruptPlanError(f"{path}: the plan does not match the checksum written with it: the file was "
+                                       "damaged or edited after saving; re-create the plan")
             sites = []
             for i, site_meta in enumerate(meta["sites"]):
                 factors = {}
@@ -195,9 +204,21 @@ def _check_schema_version(version, what: str) -> None:
                         "use the lrkv release that wrote the plan, or re-create it")
 
 
-def tensor_checksum(tensors: dict) -> str:
-    """sha256 over the names, dtypes, shapes and bytes of `tensors`, in name order."""
-    digest = hashlib.sha256()
+def weight_fingerprint(weight: torch.Tensor) -> tuple:
+    """Eight numbers that identify a projection weight [out, in] whatever its dtype or device:
+    P_out W p_in with fixed, deterministic probes. bf16 rounding moves them by ~1e-4 (relative); another
+    checkpoint of the same shapes (a fine-tune, a sibling) by far more."""
+    w = weight.detach().double().cpu()
+    out_dim, in_dim = w.shape
+    probe_in = torch.sin(torch.arange(in_dim, dtype=torch.float64) * 1.618 + 1.0)
+    rows = torch.arange(1, 9, dtype=torch.float64)[:, None]
+    probe_out = torch.sin(torch.arange(out_dim, dtype=torch.float64)[None] * 0.618 * rows + rows)
+    return tuple(float(x) for x in probe_out @ (w @ probe_in))
+
+
+def tensor_checksum(tensors: dict, meta: dict) -> str:
+    """sha256 over the canonical JSON of `meta` and the names, dtypes, shapes and bytes of `tensors`."""
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())

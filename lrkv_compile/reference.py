@@ -30,6 +30,7 @@ def low_rank_reference(model, plan: RankPlan):
     """A copy of `model` whose planned K/V projections are replaced by the plan's factors (eager, no cache tricks)."""
     check_parameters(plan, model)
     reference = copy.deepcopy(model)
+    reference.__dict__.pop("forward", None)  # a compiled forward set on the instance would still run `model`
     modules = dict(reference.named_modules())
     for site in plan.sites:
         for weight_name, down, up in ((site.k_weight, site.down_k, site.up_k), (site.v_weight, site.down_v, site.up_v)):

@@ -1,5 +1,8 @@
 """SiteSignature: what identifies an attention site and fixes the shapes of its factors.
 
+Sites are identified by their K/V weight names, not by their position: a graph fragment after a graph
+break numbers its sites from 0, and the cache layer a site writes is checked where it is rewritten.
+
 Shared by a site matched in a graph (`passes.sites.AttentionSite.signature`) and a plan's site
 (`SitePlan.signature`), so that whether a plan fits a model is one comparison (`lrkv_compile.fit`).
 """
@@ -8,7 +11,6 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class SiteSignature:
-    layer: int            # index among the model's attention sites, in execution order
     k_weight: str         # parameter names of the K and V projections
     v_weight: str
     hidden_size: int      # input features of the K/V projections

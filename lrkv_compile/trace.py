@@ -11,6 +11,8 @@ import types
 
 import torch
 
+PRIVATE_NAME = "lrkv_private_forward"  # the code name Dynamo's messages show for these copies
+
 
 def private_forward(model):
     """`type(model).forward` bound to `model`, with a code object of its own (see the module docstring).
@@ -18,8 +20,8 @@ def private_forward(model):
     The class's forward is used, so an instance-level `model.forward = torch.compile(...)` is looked through.
     """
     function = type(model).forward
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
+    copy = types.FunctionType(function.__code__.replace(co_name=PRIVATE_NAME), function.__globals__,
+                              function.__name__, function.__defaults__, function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__dict__.update(function.__dict__)  # functools.wraps' __wrapped__, which the wrapper's body reads
     return types.MethodType(copy, model)

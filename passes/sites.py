@@ -46,7 +46,7 @@ class AttentionSite:
 
     @property
     def signature(self) -> SiteSignature:
-        return SiteSignature(self.index, self.k_weight, self.v_weight, self.hidden_size, self.num_kv_heads,
+        return SiteSignature(self.k_weight, self.v_weight, self.hidden_size, self.num_kv_heads,
                              self.head_dim)
 
 

@@ -66,8 +66,12 @@ def test_corrupt_plan_files_raise_clear_errors(tmp_path):
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
         meta = json.loads(handle.metadata()["lrkv_plan"])
     meta["sites"][0]["rank_k"] = 999
+    save_file(tensors, str(tmp_path / "edited.safetensors"), metadata={"lrkv_plan": json.dumps(meta)})
+    with pytest.raises(lrkv.CorruptPlanError, match="checksum"):
+        lrkv.RankPlan.load(tmp_path / "edited.safetensors")
+    del meta["checksum"]  # a file from before checksums: the field's own validation names it
     save_file(tensors, str(tmp_path / "bad.safetensors"), metadata={"lrkv_plan": json.dumps(meta)})
-    with pytest.raises(lrkv.PlanError, match="rank_k=999"):
+    with pytest.raises(lrkv.PlanError, match="rank_k=999"), pytest.warns(lrkv.LrkvWarning, match="no checksum"):
         lrkv.RankPlan.load(tmp_path / "bad.safetensors")
 
 

@@ -99,13 +99,16 @@ def test_qwen2_generates_through_a_latent_cache():
     assert [row["status"] for row in lrkv.explain(model, plan, show=False)] == ["matched", "matched"]
     reference = lrkv.low_rank_reference(model, plan)
     ids = torch.randint(0, VOCAB, (2, 7))
+    reports_before = len(lrkv.backend.reports)
     model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
     cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
     with torch.no_grad():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
         expected = reference.generate(ids, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, expected)
-    assert all(report.status == "rewritten" and report.cache == "latent" for report in lrkv.backend.reports[-1])
+    graphs = lrkv.backend.reports[reports_before:]
+    assert len(graphs) >= 2  # the cropped prefill graph and the decode graph(s)
+    assert all(r.status == "rewritten" and r.cache == "latent" for graph in graphs for r in graph)
 
 
 def test_a_plan_for_another_hidden_size_is_refused_everywhere_with_the_documented_type():
@@ -125,6 +128,49 @@ def test_a_plan_for_another_hidden_size_is_refused_everywhere_with_the_documente
     with pytest.raises(BackendCompilerFailed) as caught:
         forward(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
     assert isinstance(caught.value.inner_exception, lrkv.PlanMismatchError)
+
+
+def test_a_plan_for_another_checkpoint_of_the_same_shapes_is_refused():
+    """A fine-tune or sibling has the same names and shapes; the plan's weight fingerprints tell it apart,
+    while a dtype cast of the same model still fits."""
+    model = build_model(SMALL)
+    plan = lrkv.calibrate(model, torch.randint(0, VOCAB, (2, 16)), keep=0.5, progress=False)
+    sibling = build_model({**SMALL, "seed": 1})
+    with pytest.raises(lrkv.PlanMismatchError, match="holds other values than the weight the plan was made from"):
+        lrkv.LatentCache(sibling, plan)
+    with pytest.raises(lrkv.PlanMismatchError, match="another checkpoint"):
+        lrkv.compile(sibling, plan)
+    lrkv.check(build_model({**SMALL, "dtype": torch.bfloat16}), plan)
+
+
+def test_a_model_without_sdpa_attention_is_an_error():
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(lrkv.UnrewrittenSiteError, match="attn_implementation='sdpa'"):
+        lrkv.check(model, plan)
+    forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+    with pytest.warns(lrkv.LrkvWarning, match="no scaled_dot_product_attention call"):
+        logits(forward, torch.randint(0, VOCAB, (1, 5)))
+
+
+def test_compiled_models_do_not_change_the_model_or_each_other():
+    model = build_model(SMALL)
+    half, quarter = (lrkv.RankPlan.uniform(model, keep=keep, progress=False) for keep in (0.5, 0.25))
+    lm_half, lm_quarter = lrkv.compile(model, half), lrkv.compile(model, quarter)
+    assert "forward" not in model.__dict__
+    ids = torch.randint(0, VOCAB, (1, 6))
+    for lm, plan in ((lm_half, half), (lm_quarter, quarter)):
+        reference = lrkv.low_rank_reference(model, plan)
+        with torch.no_grad():
+            out = lm.generate(ids, max_new_tokens=5, do_sample=False)
+            expected = reference.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(out, expected) and lm.cache.plan is plan
+    assert "forward" not in model.__dict__
+    # a reference made while model.forward is a compiled function is still the eager low-rank model
+    before = logits(lrkv.low_rank_reference(model, quarter).forward, ids)
+    model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": half})
+    torch.testing.assert_close(logits(lrkv.low_rank_reference(model, quarter).forward, ids), before)
 
 
 def test_a_plan_file_with_damaged_tensors_is_refused(tmp_path):
