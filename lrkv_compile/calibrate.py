@@ -4,6 +4,7 @@ Every input is validated before the model is traced or run; the model is traced 
 (one trace for the usual equal-length rows), and that trace both names the sites and records their inputs.
 """
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ def as_batches(batches) -> list[torch.Tensor]:
     list of 2-D tensors."""
     if isinstance(batches, torch.Tensor):
         batches = [batches]
+    if isinstance(batches, Mapping):
+        raise PlanError(f"calibration batches are a {type(batches).__name__} (a tokenizer's output?); pass its "
+                        "['input_ids'] tensor")
     try:
         batches = list(batches)
     except TypeError:

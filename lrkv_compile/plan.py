@@ -5,6 +5,7 @@ safetensors file (tensors + JSON metadata under the key "lrkv_plan", with a sche
 """
 import hashlib
 import json
+import numbers
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -228,7 +229,7 @@ def tensor_checksum(tensors: dict, meta: dict) -> str:
 
 def check_keep(keep, name: str = "keep") -> float:
     """`keep` as a float in (0, 1], or a PlanError naming the user's value."""
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+    if isinstance(keep, bool) or not isinstance(keep, numbers.Real):
         raise PlanError(f"{name}={keep!r} must be a number in (0, 1], the fraction of the K/V cache kept")
     if not 0 < keep <= 1:
         raise PlanError(f"{name}={keep}: must be in (0, 1], the fraction of the K/V cache kept")

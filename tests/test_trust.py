@@ -222,6 +222,8 @@ def test_inputs_are_checked_before_any_trace_with_the_users_value(monkeypatch):
             lrkv.calibrate(model, batches, progress=False, **{"keep": 0.5, **options})
     with pytest.raises(lrkv.PlanError, match="calibration batch 0 is a torch.float32 tensor"):
         lrkv.calibrate(model, [torch.randn(2, 8)], keep=0.5)
+    with pytest.raises(lrkv.PlanError, match=r"pass its \['input_ids'\] tensor"):
+        lrkv.calibrate(model, {"input_ids": batches, "attention_mask": torch.ones_like(batches)}, keep=0.5)
     monkeypatch.undo()
     with pytest.raises(lrkv.PlanError, match="group_size=4 does not divide num_kv_heads=2"):
         lrkv.calibrate(model, batches, keep=0.5, scheme="group", progress=False)
