@@ -4,14 +4,6 @@
     lm = lrkv.compile(model, plan)                   # checks, compiles, raises rather than falls back
     lm.generate(ids, max_new_tokens=64)               # through a LatentCache (lm.cache)
 """
-import os as _os
-
-# Installed, passes/ lowering/ kernels/ live inside this package (pyproject maps them). Imported straight
-# from a source checkout (repo root on sys.path), they are siblings of this folder: look there too.
-_here = _os.path.dirname(__file__)
-if not _os.path.isdir(_os.path.join(_here, "passes")):
-    __path__.append(_os.path.dirname(_here))
-
 from .errors import (CacheOverflowError, CorruptPlanError, LrkvError, LrkvWarning, PlanError, PlanMismatchError,
                      UnrewrittenSiteError)
 from .plan import RankPlan, SitePlan
