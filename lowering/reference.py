@@ -6,6 +6,7 @@ slots (cache positions), rank (latent channels), head_dim.
 import torch
 
 from lrkv_compile.errors import CacheOverflowError
+from . import quantize
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -18,11 +19,32 @@ def _rope_rows(table_input: torch.Tensor, batch: int, tokens: int, head_dim: int
     return torch.broadcast_to(table_input, (batch, 1, tokens, head_dim))[:, 0]
 
 
-def latent_write(latent_k, latent_v, rope_cos, rope_sin, new_k, new_v, cos, sin, length) -> None:
-    """Write this step's latents (and the RoPE rows of their positions) at slots [length, length + tokens).
+def _store(latent, scale, zero, new, bits, group, batch, start):
+    """Write new [batch, tokens, rank] latents at slots [start, start + tokens), quantized if bits < 16."""
+    tokens = new.shape[1]
+    if bits == 16:
+        latent[:batch, start:start + tokens] = new.to(latent.dtype)
+        return
+    codes, new_scale, new_zero = quantize.quantize(new, bits, group)
+    latent[:batch, start:start + tokens] = codes
+    scale[:batch, start:start + tokens] = new_scale
+    zero[:batch, start:start + tokens] = new_zero
 
-    latent_k: [max_batch, slots, rank_k]; new_k: [batch, tokens, rank_k]; length: scalar tensor, slots
-    already written before this step.
+
+def read_latents(latent, scale, zero, bits, group, batch, slots) -> torch.Tensor:
+    """The first `slots` latents of the first `batch` rows as float32 [batch, slots, rank], dequantized."""
+    if bits == 16:
+        return latent[:batch, :slots].float()
+    return quantize.dequantize(latent[:batch, :slots], scale[:batch, :slots], zero[:batch, :slots], bits, group)
+
+
+def latent_write(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v, cos, sin,
+                 length, k_bits, k_group, v_bits, v_group) -> None:
+    """Write this step's latents (quantized per side's bits and group) and the RoPE rows of their positions
+    at slots [length, length + tokens).
+
+    latent_k: [max_batch, slots, rank_k] (or packed codes); new_k: [batch, tokens, rank_k]; length: scalar
+    tensor, slots already written before this step.
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
     start = int(length)
@@ -37,8 +59,8 @@ def latent_write(latent_k, latent_v, rope_cos, rope_sin, new_k, new_v, cos, sin,
             f"batch of {batch} sequences but this LatentCache holds max_batch_size={latent_k.shape[0]}; "
             "create it with a larger max_batch_size"
         )
-    latent_k[:batch, start:start + tokens] = new_k.to(latent_k.dtype)
-    latent_v[:batch, start:start + tokens] = new_v.to(latent_v.dtype)
+    _store(latent_k, k_scale, k_zero, new_k, k_bits, k_group, batch, start)
+    _store(latent_v, v_scale, v_zero, new_v, v_bits, v_group, batch, start)
     if cos is not None and rope_cos.numel():
         head_dim = rope_cos.shape[-1]
         rope_cos[:batch, start:start + tokens] = _rope_rows(cos, batch, tokens, head_dim).to(rope_cos.dtype)
@@ -46,7 +68,8 @@ def latent_write(latent_k, latent_v, rope_cos, rope_sin, new_k, new_v, cos, sin,
 
 
 def reconstruct_keys(latent_k, rope_cos, rope_sin, up_k, bias_k, num_kv_heads):
-    """Keys of the first slots, rebuilt from their latents: RoPE(c_k B_k + b_k) at each slot's own position.
+    """Keys of the first slots, rebuilt from their (dequantized) latents: RoPE(c_k B_k + b_k) at each slot's
+    own position.
 
     latent_k: [batch, slots, rank_k] -> [batch, kv_heads, slots, head_dim]
     """
@@ -76,8 +99,8 @@ def _allowed(attn_mask, batch, tokens, slots, device):
     return allowed, additive
 
 
-def latent_attention(query, latent_k, latent_v, rope_cos, rope_sin, up_k, bias_k, up_v, bias_v,
-                     length, attn_mask, scale, num_kv_heads):
+def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, up_k, bias_k,
+                     up_v, bias_v, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, v_bits, v_group):
     """Attention of `query` over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -88,9 +111,10 @@ def latent_attention(query, latent_k, latent_v, rope_cos, rope_sin, up_k, bias_k
     batch, heads, tokens, head_dim = query.shape
     slots = int(length)
     group = heads // num_kv_heads
-    keys = reconstruct_keys(latent_k[:batch, :slots], rope_cos, rope_sin, up_k, bias_k, num_kv_heads)
+    latents_k = read_latents(latent_k, k_scale, k_zero, k_bits, k_group, batch, slots)
+    keys = reconstruct_keys(latents_k.to(query.dtype), rope_cos, rope_sin, up_k, bias_k, num_kv_heads)
     q = query.view(batch, num_kv_heads, group, tokens, head_dim).float()
-    scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * scale
+    scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * softmax_scale
     scores = scores.reshape(batch, heads, tokens, slots)
     allowed, additive = _allowed(attn_mask, batch, tokens, slots, query.device)
     if additive is not None:
@@ -98,11 +122,11 @@ def latent_attention(query, latent_k, latent_v, rope_cos, rope_sin, up_k, bias_k
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
     probs = probs.view(batch, num_kv_heads, group, tokens, slots)
-    latent_values = latent_v[:batch, :slots].float()  # [batch, slots, rank_v]
+    latent_values = read_latents(latent_v, v_scale, v_zero, v_bits, v_group, batch, slots)  # [batch, slots, rank_v]
     context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
     if up_v is None:
         return context.reshape(batch, heads, tokens, -1).transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)
-    rank_v = latent_v.shape[-1]
+    rank_v = latent_values.shape[-1]
     up = up_v.float().view(rank_v, num_kv_heads, head_dim)
     out = torch.einsum("bkgtr,rkd->bkgtd", context, up)
     if bias_v is not None:

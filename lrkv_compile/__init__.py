@@ -6,7 +6,7 @@
 """
 from .errors import (CacheOverflowError, CorruptPlanError, LrkvError, LrkvWarning, PlanError, PlanMismatchError,
                      UnrewrittenSiteError)
-from .plan import RankPlan, SitePlan
+from .plan import Layout, RankPlan, SitePlan
 from .calibrate import calibrate
 from .cache import LatentCache
 from .backend import lrkv_backend
@@ -15,6 +15,6 @@ from .compiled import CompiledModel, compile
 from .reference import low_rank_reference
 from .report import explain
 
-__all__ = ["RankPlan", "SitePlan", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
+__all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
            "low_rank_reference", "explain", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
            "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError"]

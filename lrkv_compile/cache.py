@@ -1,4 +1,5 @@
-"""LatentCache: a transformers Cache that holds only K/V latents (and the RoPE rows of their positions).
+"""LatentCache: a transformers Cache that holds only K/V latents, quantized or not (and the RoPE rows of
+their positions).
 
 Under the lrkv backend each attention site writes [batch, tokens, rank] latents into preallocated
 buffers and attends over them directly; no full-size key or value tensor is ever stored. Its
@@ -10,35 +11,44 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lrkv_compile.lowering import ops
+from lrkv_compile.lowering.quantize import packed_width
 from .errors import LrkvWarning, PlanMismatchError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
 
 
 class LatentLayer(CacheLayerMixin):
-    """One layer's latent buffers. `keys`/`values` alias the latent buffers so transformers' generic
-    reset/reorder code works on them."""
+    """One layer's latent buffers, per side (K, V): the latents (model dtype, or packed uint8 codes when
+    quantized) with their fp16 scale and zero point (empty when not quantized); see
+    `lowering/quantize.py` for the layout. `keys`/`values` alias the latent buffers so transformers'
+    generic reset/reorder code works on them."""
 
     is_compileable = True
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, latent_k, latent_v, rope_cos, rope_sin, layer_idx):
+    def __init__(self, k_buffers, v_buffers, rope_cos, rope_sin, layer_idx):
         super().__init__()
-        self.keys, self.values = latent_k, latent_v          # [max_batch, max_cache_len, rank]
+        self.keys, self.k_scale, self.k_zero = k_buffers       # [max_batch, max_cache_len, rank | width]
+        self.values, self.v_scale, self.v_zero = v_buffers
         self.rope_cos, self.rope_sin = rope_cos, rope_sin    # shared by the layers of one RoPE group
-        self.max_cache_len = latent_k.shape[1]
-        self.batch_size = latent_k.shape[0]
+        self.max_cache_len = self.keys.shape[1]
+        self.batch_size = self.keys.shape[0]
         self.layer_idx = layer_idx
-        self.cumulative_length = torch.zeros((), dtype=torch.long, device=latent_k.device)
+        self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self.is_initialized = True
+
+    def tensors(self) -> list:
+        return [self.keys, self.k_scale, self.k_zero, self.values, self.v_scale, self.v_zero]
 
     def lazy_initialization(self, key_states, value_states):
         return None
 
     def update(self, key_states, value_states, *args, **kwargs):
-        keys, values = ops.cache_marker(key_states, value_states, self.keys, self.values, self.rope_cos,
-                                        self.rope_sin, self.cumulative_length, self.layer_idx)
+        keys, values = ops.cache_marker(
+            key_states=key_states, value_states=value_states, latent_k=self.keys, k_scale=self.k_scale,
+            k_zero=self.k_zero, latent_v=self.values, v_scale=self.v_scale, v_zero=self.v_zero,
+            rope_cos=self.rope_cos, rope_sin=self.rope_sin, length=self.cumulative_length, layer_idx=self.layer_idx)
         self.cumulative_length.add_(key_states.shape[-2])
         return keys, values
 
@@ -55,7 +65,8 @@ class LatentLayer(CacheLayerMixin):
 class LatentCache(Cache):
     """Preallocated latent KV cache for `model` under `plan`.
 
-    nbytes() is what the buffers occupy: max_batch_size x max_cache_len x (rank_k + rank_v) per layer,
+    nbytes() is what the buffers occupy: per layer and side max_batch_size x max_cache_len x the side's
+    bytes per token (rank values of the model's dtype, or packed codes plus fp16 scales and zero points),
     plus one [max_batch_size, max_cache_len, head_dim] cos and sin table per RoPE group.
     """
 
@@ -81,13 +92,20 @@ class LatentCache(Cache):
                 shape = (max_batch_size, max_cache_len, site.head_dim)
                 tables[site.rope_group] = (torch.zeros(shape, dtype=dtype, device=device),
                                            torch.zeros(shape, dtype=dtype, device=device))
-        layers = []
-        for site in plan.sites:
-            latent_k = torch.zeros(max_batch_size, max_cache_len, site.rank_k, dtype=dtype, device=device)
-            latent_v = torch.zeros(max_batch_size, max_cache_len, site.rank_v, dtype=dtype, device=device)
-            layers.append(LatentLayer(latent_k, latent_v, *tables[site.rope_group], site.layer))
+        def buffers(rank, layout):
+            slots = (max_batch_size, max_cache_len)
+            if layout.bits == 16:
+                empty = torch.zeros(0, dtype=torch.float16, device=device)
+                return torch.zeros(*slots, rank, dtype=dtype, device=device), empty, empty.clone()
+            groups = rank // layout.group
+            return (torch.zeros(*slots, packed_width(rank, layout.bits), dtype=torch.uint8, device=device),
+                    torch.zeros(*slots, groups, dtype=torch.float16, device=device),
+                    torch.zeros(*slots, groups, dtype=torch.float16, device=device))
+
+        layers = [LatentLayer(buffers(site.rank_k, site.k_layout), buffers(site.rank_v, site.v_layout),
+                              *tables[site.rope_group], site.layer) for site in plan.sites]
         super().__init__(layers=layers)
-        self.plan = plan
+        self.plan, self.dtype = plan, dtype
         self.rope_tables = list(tables.values())
         self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
         ratio = self.nbytes() / self.full_cache_nbytes()
@@ -99,12 +117,13 @@ class LatentCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes held by the cache's buffers (its capacity)."""
-        tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]
+        tensors = [t for layer in self.layers for t in layer.tensors()]
         tensors += [t for pair in self.rope_tables for t in pair]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def full_cache_nbytes(self) -> int:
-        """Bytes a full (uncompressed) K/V cache of the same capacity and dtype would hold."""
-        element = self.layers[0].keys.element_size()
+    def full_cache_nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes a full (uncompressed) K/V cache of the same capacity would hold, in `dtype` (default: the
+        cache's dtype). nbytes() / full_cache_nbytes(torch.float16) is the plan's budget."""
+        element = torch.empty(0, dtype=dtype or self.dtype).element_size()
         per_token = sum(2 * site.num_kv_heads * site.head_dim for site in self.plan.sites)
         return self.max_batch_size * self.max_cache_len * per_token * element

@@ -3,6 +3,7 @@
 Every input is validated before the model is traced or run; the model is traced once per row length
 (one trace for the usual equal-length rows), and that trace both names the sites and records their inputs.
 """
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from lrkv_compile.passes.factorize import SCHEMES, blocks_for, factorize, whitening_factor
+from lrkv_compile.passes.factorize import SCHEMES, blocks_for, factorize, rotate, whitening_factor
 from lrkv_compile.passes.sites import find_sites
 from .errors import LrkvWarning, PlanError
-from .plan import RankPlan, SitePlan, check_keep, rank_for, weight_fingerprint
+from .plan import Layout, RankPlan, SitePlan, check_keep, rank_for, weight_fingerprint
 from .trace import capture
 
 HYBRID = {"hybrid": ("head", "joint")}  # STAR-KV: head-wise keys, joint values
@@ -147,8 +148,21 @@ def _blocks(sites, k_scheme, v_scheme, group_size) -> dict:
     return blocks
 
 
+def _layouts(bits, bits_k, bits_v, group, rotation) -> dict:
+    """{"k": Layout, "v": Layout}: bits_k / bits_v override bits; quantized sides default to a Hadamard rotation."""
+    layouts = {}
+    for side, side_bits in (("k", bits if bits_k is None else bits_k), ("v", bits if bits_v is None else bits_v)):
+        try:
+            layouts[side] = Layout(bits=side_bits, group=group,
+                                   rotation=rotation or ("none" if side_bits == 16 else "hadamard"))
+        except PlanError as error:
+            raise PlanError(f"{side.upper()} latents: {error}") from None
+    return layouts
+
+
 def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_scheme=None, group_size=None,
-               keep_k=None, keep_v=None, progress=True, grams=None) -> RankPlan:
+               keep_k=None, keep_v=None, bits=16, bits_k=None, bits_v=None, group=32, rotation=None, progress=True,
+               grams=None) -> RankPlan:
     """Plan every attention site of `model`. With `batches`, factors are activation-aware (whitened SVD).
 
     grams: a `CalibrationStats` from `collect_grams` on the same model, to factorize many plans from one pass.
@@ -156,6 +170,7 @@ def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_s
     keep = check_keep(keep)
     keep_k = keep if keep_k is None else check_keep(keep_k, "keep_k")
     keep_v = keep if keep_v is None else check_keep(keep_v, "keep_v")
+    layouts = _layouts(bits, bits_k, bits_v, group, rotation)
     k_scheme, v_scheme = _schemes(scheme, k_scheme, v_scheme)
     if group_size is None:
         group_size = DEFAULT_GROUP_SIZE
@@ -182,16 +197,19 @@ def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_s
         whitening = whitening_factor(grams.grams[site.index] / grams.tokens) if grams is not None else None
         factors, ranks = {}, {}
         for side, side_keep, weight in (("k", keep_k, site.k_weight), ("v", keep_v, site.v_weight)):
-            side_blocks = blocks[site.index, side]
-            ranks[side] = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, side_blocks)
-            factors[f"down_{side}"], factors[f"up_{side}"] = factorize(
-                params[weight].detach().float().cpu(), whitening, side_blocks, ranks[side])
+            side_blocks, layout = blocks[site.index, side], layouts[side]
+            # a quantized side's rank is a whole number of quantization groups
+            multiple = side_blocks if layout.bits == 16 else math.lcm(side_blocks, layout.group)
+            ranks[side] = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, multiple)
+            down, up = factorize(params[weight].detach().float().cpu(), whitening, side_blocks, ranks[side])
+            factors[f"down_{side}"], factors[f"up_{side}"] = rotate(down, up, layout.rotation, side_blocks,
+                                                                    seed=site.index)
         rope_group = rope_groups.setdefault(site.rope_key, len(rope_groups))
         planned.append(SitePlan(
             layer=site.index, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
             num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
             k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"], rank_k=ranks["k"], rank_v=ranks["v"],
-            rope_group=rope_group, k_fingerprint=weight_fingerprint(params[site.k_weight]),
+            k_layout=layouts["k"], v_layout=layouts["v"], rope_group=rope_group, k_fingerprint=weight_fingerprint(params[site.k_weight]),
             v_fingerprint=weight_fingerprint(params[site.v_weight]), **factors))
     return RankPlan(sites=tuple(planned), source="calibrated" if grams is not None else "uniform",
                     calibration_tokens=grams.tokens if grams is not None else 0)
@@ -201,10 +219,13 @@ def calibrate(model, batches, keep=0.5, **options) -> RankPlan:
     """Calibrated plan: whitened (activation-aware) SVD of every site's K/V projections.
 
     batches: token-id tensors of real text ([batch, tokens] or [tokens], or a list or iterator of them).
-    keep: fraction of the full K/V cache kept (0.5 = a 2x smaller cache). Options: scheme ("joint",
+    keep: fraction of the K/V channels the latents keep (rank / full dimension). Options: scheme ("joint",
     "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme, group_size (heads per
-    group for "group", default 4), keep_k / keep_v (separate K and V fractions), progress, grams (the
-    result of `collect_grams` on the same model, to factorize many plans from one pass over the text).
+    group for "group", default 4), keep_k / keep_v (separate K and V fractions), bits (16 = unquantized,
+    8, 4, 3, 2) or bits_k / bits_v, group (latent channels per quantization scale, default 32; it must
+    divide the rank), rotation ("hadamard", the default for quantized sides, "orthogonal", "none"),
+    progress, grams (the result of `collect_grams` on the same model, to factorize many plans from one
+    pass over the text). `plan.budget` reports the bytes kept against a 16-bit cache.
     """
     if batches is None:
         raise PlanError("calibrate needs token batches of real text; use RankPlan.uniform for an uncalibrated plan")

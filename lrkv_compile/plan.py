@@ -1,4 +1,5 @@
-"""RankPlan: which rank (and, later, which bits) each attention site's K and V latents get, with the factors.
+"""RankPlan: which rank and layout (bits, quantization group, rotation) each attention site's K and V latents
+get, with the factors.
 
 A plan is plain data: a frozen dataclass tree, validated when built and when loaded, saved as one
 safetensors file (tensors + JSON metadata under the key "lrkv_plan", with a schema_version).
@@ -7,18 +8,52 @@ import hashlib
 import json
 import numbers
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-from lrkv_compile.passes.factorize import SCHEMES
+from lrkv_compile.lowering.quantize import QUANTIZED_BITS, packed_width
+from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES
 from .errors import CorruptPlanError, LrkvWarning, PlanError
 from .signature import SiteSignature
 
-SCHEMA_VERSION = 1
-SUPPORTED_BITS = (16,)
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no layouts (16-bit latents), migrated on load
+SUPPORTED_BITS = (16,) + QUANTIZED_BITS
 _TENSORS = ("down_k", "up_k", "down_v", "up_v")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one side's latents are stored in the cache (see `lowering/quantize.py` for the byte layout).
+
+    bits: 16 = unquantized (the model's dtype), or 8, 4, 3, 2 bits per latent channel.
+    group: latent channels of one token sharing an fp16 scale and zero point (quantized sides only).
+    rotation: the orthogonal rotation fused into the factors before quantization ("none", "hadamard",
+    "orthogonal"); recorded here, applied by calibration (`passes.factorize.rotation`).
+    """
+    bits: int = 16
+    group: int = 32
+    rotation: str = "none"
+
+    def __post_init__(self):
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise PlanError(f"bits={self.bits!r}; choose one of {SUPPORTED_BITS} (16 = unquantized)")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise PlanError(f"group={self.group!r} must be a positive integer (latent channels per scale)")
+        if self.rotation not in ROTATIONS:
+            raise PlanError(f"rotation={self.rotation!r}; choose one of {ROTATIONS}")
+
+    def stored_widths(self, rank: int) -> tuple[int, int]:
+        """Last dimensions of the (latents, scale) buffers a LatentCache holds for this side."""
+        return (rank, 0) if self.bits == 16 else (packed_width(rank, self.bits), rank // self.group)
+
+    def bytes_per_token(self, rank: int) -> int:
+        """Cache bytes one token's latents take, counted against a 16-bit cache (2 bytes per 16-bit value)."""
+        if self.bits == 16:
+            return 2 * rank
+        return packed_width(rank, self.bits) + 2 * 2 * (rank // self.group)  # codes + fp16 scale and zero
 
 
 @dataclass(frozen=True)
@@ -40,8 +75,8 @@ class SitePlan:
     rank_k: int
     rank_v: int
     rope_group: int = 0
-    bits_k: int = 16
-    bits_v: int = 16
+    k_layout: Layout = Layout()
+    v_layout: Layout = Layout()
     # weight_fingerprint of the K and V weights the factors were made from; () where unknown
     k_fingerprint: tuple = ()
     v_fingerprint: tuple = ()
@@ -67,10 +102,20 @@ class SitePlan:
         for scheme_field in ("k_scheme", "v_scheme"):
             if getattr(self, scheme_field) not in SCHEMES:
                 raise PlanError(f"{where}: {scheme_field}={getattr(self, scheme_field)!r}; expected one of {SCHEMES}")
-        for bits_field in ("bits_k", "bits_v"):
-            if getattr(self, bits_field) not in SUPPORTED_BITS:
-                raise PlanError(f"{where}: {bits_field}={getattr(self, bits_field)}; this version stores latents "
-                                f"unquantized (bits in {SUPPORTED_BITS}); quantized latents are not implemented yet")
+        for side in ("k", "v"):
+            layout = getattr(self, f"{side}_layout")
+            if isinstance(layout, dict):  # from a plan file's metadata
+                try:
+                    layout = Layout(**layout)
+                except PlanError as error:
+                    raise PlanError(f"{where}: {side}_layout: {error}") from None
+                object.__setattr__(self, f"{side}_layout", layout)
+            if not isinstance(layout, Layout):
+                raise PlanError(f"{where}: {side}_layout must be a Layout, got {type(layout).__name__}")
+            rank = getattr(self, f"rank_{side}")
+            if layout.bits != 16 and rank % layout.group:
+                raise PlanError(f"{where}: {side}_layout.group={layout.group} does not divide rank_{side}={rank}; "
+                                "pick a group that divides the rank (a group larger than the rank is not allowed)")
         for side in ("k", "v"):
             rank, blocks = getattr(self, f"rank_{side}"), getattr(self, f"{side}_blocks")
             if not 1 <= rank <= min(self.hidden_size, kv_dim) or rank % blocks or kv_dim % blocks:
@@ -95,13 +140,14 @@ class SitePlan:
     def full_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def latent_values_per_token(self) -> float:
-        """Cache values per token (in units of the model dtype) this site stores."""
-        return self.rank_k * self.bits_k / 16 + self.rank_v * self.bits_v / 16
+    def bytes_per_token(self) -> int:
+        """Cache bytes per token of this site's latents (16-bit values count 2 bytes)."""
+        return self.k_layout.bytes_per_token(self.rank_k) + self.v_layout.bytes_per_token(self.rank_v)
 
     def metadata(self) -> dict:
-        return {f.name: list(value) if isinstance(value := getattr(self, f.name), tuple) else value
-                for f in fields(self) if f.name not in _TENSORS}
+        def plain(value):
+            return list(value) if isinstance(value, tuple) else asdict(value) if isinstance(value, Layout) else value
+        return {f.name: plain(getattr(self, f.name)) for f in fields(self) if f.name not in _TENSORS}
 
 
 @dataclass(frozen=True)
@@ -124,8 +170,16 @@ class RankPlan:
 
     @property
     def keep(self) -> float:
-        kept = sum(site.latent_values_per_token() for site in self.sites)
-        return kept / sum(2 * site.full_dim for site in self.sites)
+        """Fraction of the K/V channels the latents keep (rank over full dimension, all sites)."""
+        return sum(site.rank_k + site.rank_v for site in self.sites) / sum(2 * site.full_dim for site in self.sites)
+
+    @property
+    def budget(self) -> float:
+        """Cache bytes per token over those of a 16-bit full K/V cache: latents, scales and zero points, and
+        the RoPE cos/sin rows a LatentCache stores per slot (one pair per RoPE group)."""
+        rope = {site.rope_group: 2 * 2 * site.head_dim for site in self.sites}
+        stored = sum(site.bytes_per_token() for site in self.sites) + sum(rope.values())
+        return stored / sum(2 * 2 * site.full_dim for site in self.sites)
 
     def site_for(self, k_weight: str):
         return next((site for site in self.sites if site.k_weight == k_weight), None)
@@ -134,8 +188,9 @@ class RankPlan:
         ranks_k = sorted({s.rank_k for s in self.sites})
         ranks_v = sorted({s.rank_v for s in self.sites})
         schemes = sorted({f"{s.k_scheme}/{s.v_scheme}" for s in self.sites})
-        return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, K ranks {ranks_k}, V ranks {ranks_v}, "
-                f"K/V schemes {schemes}, {self.source})")
+        bits = sorted({f"{s.k_layout.bits}/{s.v_layout.bits}" for s in self.sites})
+        return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, budget={self.budget:.3f} of a 16-bit cache, "
+                f"K ranks {ranks_k}, V ranks {ranks_v}, K/V bits {bits}, K/V schemes {schemes}, {self.source})")
 
     def save(self, path) -> None:
         """Write the plan as one safetensors file, with a checksum of its tensors in the metadata."""
@@ -165,7 +220,7 @@ class RankPlan:
         try:
             meta = json.loads(raw)
             try:
-                _check_schema_version(meta["schema_version"], "the file's schema_version")
+                _check_schema_version(meta["schema_version"], "the file's schema_version", READABLE_VERSIONS)
             except PlanError as error:
                 raise CorruptPlanError(f"{path}: {error}") from None
             checksum = meta.pop("checksum", None)
@@ -175,6 +230,8 @@ class RankPlan:
             elif checksum != tensor_checksum(tensors, meta):
                 raise CorruptPlanError(f"{path}: the plan does not match the checksum written with it: the file was "
                                        "damaged or edited after saving; re-create the plan")
+            if meta["schema_version"] == 1:
+                meta = _migrate_v1(meta)
             sites = []
             for i, site_meta in enumerate(meta["sites"]):
                 factors = {}
@@ -197,12 +254,23 @@ class RankPlan:
         return build_plan(model, batches=None, keep=keep, **options)
 
 
-def _check_schema_version(version, what: str) -> None:
+def _check_schema_version(version, what: str, readable=(SCHEMA_VERSION,)) -> None:
     if isinstance(version, bool) or not isinstance(version, int):
         raise PlanError(f"{what}={version!r} must be the integer {SCHEMA_VERSION}")
-    if version != SCHEMA_VERSION:
-        raise PlanError(f"{what}={version} is not readable by this lrkv, which reads schema_version {SCHEMA_VERSION}; "
-                        "use the lrkv release that wrote the plan, or re-create it")
+    if version not in readable:
+        raise PlanError(f"{what}={version} is not readable by this lrkv, which reads schema_version "
+                        f"{' or '.join(map(str, readable))}; use the lrkv release that wrote the plan, or re-create it")
+
+
+def _migrate_v1(meta: dict) -> dict:
+    """Version 1 sites carried bits_k / bits_v (always 16) instead of layouts."""
+    sites = []
+    for site in meta["sites"]:
+        site = dict(site)
+        site["k_layout"] = {"bits": site.pop("bits_k", 16)}
+        site["v_layout"] = {"bits": site.pop("bits_v", 16)}
+        sites.append(site)
+    return {**meta, "schema_version": 2, "sites": sites}
 
 
 def weight_fingerprint(weight: torch.Tensor) -> tuple:
@@ -236,10 +304,10 @@ def check_keep(keep, name: str = "keep") -> float:
     return float(keep)
 
 
-def rank_for(keep: float, full_dim: int, hidden_size: int, blocks: int) -> int:
-    """The rank a `keep` fraction gives: rounded to a multiple of `blocks`, at least one channel per block."""
+def rank_for(keep: float, full_dim: int, hidden_size: int, multiple: int) -> int:
+    """The rank a `keep` fraction gives: a multiple of `multiple` (the scheme's blocks, and for quantized
+    latents the quantization group), at least one such multiple."""
     keep = check_keep(keep)
     cap = min(full_dim, hidden_size)
-    per_block = max(1, min(cap // blocks, round(keep * full_dim / blocks)))
-    return per_block * blocks
+    return max(1, min(cap // multiple, round(keep * full_dim / multiple))) * multiple
 

@@ -4,16 +4,20 @@ import copy
 import torch
 from torch import nn
 
+from lrkv_compile.lowering.quantize import fake_quantize
+
 from .errors import PlanMismatchError
 from .fit import check_parameters
-from .plan import RankPlan
+from .plan import Layout, RankPlan
 
 
 class FactoredLinear(nn.Module):
-    """y = (x down) up + bias: a low-rank stand-in for an nn.Linear."""
+    """y = q(x down) up + bias: a low-rank stand-in for an nn.Linear, q the layout's quantize-dequantize of
+    the latents (identity at 16 bits), so the numbers are those of a trip through a quantized cache."""
 
-    def __init__(self, down: torch.Tensor, up: torch.Tensor, bias):
+    def __init__(self, down: torch.Tensor, up: torch.Tensor, bias, layout: Layout):
         super().__init__()
+        self.layout = layout
         self.down = nn.Linear(down.shape[0], down.shape[1], bias=False)
         self.up = nn.Linear(up.shape[0], up.shape[1], bias=bias is not None)
         with torch.no_grad():
@@ -23,7 +27,7 @@ class FactoredLinear(nn.Module):
                 self.up.bias.copy_(bias)
 
     def forward(self, x):
-        return self.up(self.down(x))
+        return self.up(fake_quantize(self.down(x), self.layout.bits, self.layout.group))
 
 
 def low_rank_reference(model, plan: RankPlan):
@@ -33,12 +37,13 @@ def low_rank_reference(model, plan: RankPlan):
     reference.__dict__.pop("forward", None)  # a compiled forward set on the instance would still run `model`
     modules = dict(reference.named_modules())
     for site in plan.sites:
-        for weight_name, down, up in ((site.k_weight, site.down_k, site.up_k), (site.v_weight, site.down_v, site.up_v)):
+        for weight_name, down, up, layout in ((site.k_weight, site.down_k, site.up_k, site.k_layout),
+                                              (site.v_weight, site.down_v, site.up_v, site.v_layout)):
             module_name = weight_name.rsplit(".", 1)[0]
             linear = modules[module_name]
             if not isinstance(linear, nn.Linear):
                 raise PlanMismatchError(f"{weight_name} belongs to a {type(linear).__name__}, not an nn.Linear; "
                                         "the eager reference replaces linear projections only")
-            factored = FactoredLinear(down, up, linear.bias).to(linear.weight.device, linear.weight.dtype)
+            factored = FactoredLinear(down, up, linear.bias, layout).to(linear.weight.device, linear.weight.dtype)
             reference.set_submodule(module_name, factored)
     return reference

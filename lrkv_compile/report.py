@@ -23,6 +23,7 @@ def explain(model, plan=None, show=True) -> list[dict]:
         planned = plan.site_for(site.k_weight) if plan is not None else None
         if planned is not None:
             row.update(rank_k=planned.rank_k, rank_v=planned.rank_v, scheme=f"{planned.k_scheme}/{planned.v_scheme}",
+                       bits=f"{planned.k_layout.bits}/{planned.v_layout.bits}",
                        value_path=choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v))
         elif plan is not None:
             row["status"] = "matched, not in plan (left untouched)"
@@ -31,7 +32,7 @@ def explain(model, plan=None, show=True) -> list[dict]:
              for miss in unmatched]
     if show:
         table = Table(title=f"lrkv: {len(sites)} attention sites matched, {len(unmatched)} unmatched")
-        columns = ["site", "status", "k_weight", "rope", "heads", "head_dim", "rank_k", "rank_v", "scheme",
+        columns = ["site", "status", "k_weight", "rope", "heads", "head_dim", "rank_k", "rank_v", "bits", "scheme",
                    "value_path"]
         for column in columns:
             table.add_column(column)

@@ -64,3 +64,45 @@ def factorize(weight: torch.Tensor, whitening: torch.Tensor | None, blocks: int,
         down[:, cols] = v_r
         up[cols, rows] = s[:block_rank, None] * u[:, :block_rank].T
     return down.float(), up.float()
+
+
+ROTATIONS = ("none", "hadamard", "orthogonal")
+
+
+def _random_orthogonal(size: int, generator: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(size, size, dtype=torch.float64, generator=generator))
+    return (q * torch.sign(torch.diagonal(r))).contiguous()  # Haar-distributed
+
+
+def rotation(kind: str, size: int, seed: int = 0) -> torch.Tensor:
+    """An orthogonal [size, size] matrix (float64), fixed by `seed`.
+
+    "hadamard": H_(2^k) (x) Q_m times random signs, where size = 2^k * m with m odd: a Sylvester Hadamard
+    over the power-of-two factor and a random orthogonal Q over the odd one (identity when m = 1), so any
+    size works and power-of-two sizes get a plain randomized Hadamard. "orthogonal": a random one.
+    """
+    if kind not in ROTATIONS:
+        raise ValueError(f"unknown rotation {kind!r}; choose one of {ROTATIONS}")
+    if kind == "none":
+        return torch.eye(size, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(seed * 7919 + size)
+    if kind == "orthogonal":
+        return _random_orthogonal(size, generator)
+    power = size & -size  # largest power of two dividing size
+    hadamard = torch.ones(1, 1, dtype=torch.float64)
+    while hadamard.shape[0] < power:
+        hadamard = torch.cat((torch.cat((hadamard, hadamard), 1), torch.cat((hadamard, -hadamard), 1)), 0)
+    odd = size // power
+    odd_part = _random_orthogonal(odd, generator) if odd > 1 else torch.eye(1, dtype=torch.float64)
+    mixed = torch.kron(hadamard / power ** 0.5, odd_part)
+    signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.float64) * 2 - 1
+    return mixed * signs
+
+
+def rotate(down: torch.Tensor, up: torch.Tensor, kind: str, blocks: int, seed: int = 0):
+    """Fuse a rotation R into the factors: (x down R)(R^T up) = x down up, with R block diagonal over the
+    scheme's blocks so a head-wise plan stays head-wise. Spreads outlier channels before quantization
+    (RotateKV / QuaRot); exact before quantization."""
+    block = down.shape[1] // blocks
+    matrix = torch.block_diag(*(rotation(kind, block, seed * blocks + index) for index in range(blocks)))
+    return (down.double() @ matrix).float(), (matrix.T @ up.double()).float()

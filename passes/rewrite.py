@@ -65,49 +65,56 @@ class _Rewriter:
         self.gm.register_buffer(name, tensor)
         return self.graph.get_attr(name)
 
-    def factored(self, projection, down, up, name):
-        """linear(x, W, b) -> linear(linear(x, down^T), up^T, b)."""
+    def factored(self, projection, down, up, layout, name):
+        """linear(x, W, b) -> linear(q(linear(x, down^T)), up^T, b), q = the layout's quantize-dequantize."""
         with self.graph.inserting_before(projection.linear):
             down_w = self.constant(f"{name}_down", down.T, projection.weight)
             up_w = self.constant(f"{name}_up", up.T, projection.weight)
             latent = self.graph.call_function(torch._C._nn.linear, (projection.x, down_w, None))
+            if layout.bits != 16:
+                latent = self.graph.call_function(torch.ops.lrkv.fake_quantize.default, (latent,),
+                                                  {"bits": layout.bits, "group": layout.group})
             rebuilt = self.graph.call_function(torch._C._nn.linear, (latent, up_w, projection.bias))
         projection.linear.replace_all_uses_with(rebuilt)
 
     def latent(self, site, planned, value_policy):
         marker = site.cache_nodes[0]
-        _, _, buf_k, buf_v, rope_cos, rope_sin, length, layer_idx = marker.args
+        cache = marker.normalized_arguments(self.gm, normalize_to_only_use_kwargs=True).kwargs
+        layer_idx = cache["layer_idx"]
         if layer_idx != planned.layer:
             raise PlanMismatchError(f"LatentCache layer {layer_idx} runs the site the plan lists as layer {planned.layer}")
-        for buffer, rank, side in ((buf_k, planned.rank_k, "K"), (buf_v, planned.rank_v, "V")):
-            if buffer.meta["example_value"].shape[-1] != rank:
-                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache holds {side} latents of rank "
-                                   f"{buffer.meta['example_value'].shape[-1]}, the plan says {rank}; build the "
-                                   "LatentCache from the same plan the model is compiled with")
+        for side, rank, layout in (("k", planned.rank_k, planned.k_layout), ("v", planned.rank_v, planned.v_layout)):
+            held = (cache[f"latent_{side}"].meta["example_value"].shape[-1],
+                    cache[f"{side}_scale"].meta["example_value"].shape[-1])
+            if held != layout.stored_widths(rank):
+                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache's {side.upper()} buffers have widths {held}, "
+                                        f"the plan's rank {rank} at {layout.bits} bits needs "
+                                        f"{layout.stored_widths(rank)}; build the LatentCache from the same plan the "
+                                        "model is compiled with")
+        state = {name: cache[name] for name in ("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero",
+                                                "rope_cos", "rope_sin", "length")}
+        state.update(k_bits=planned.k_layout.bits, k_group=planned.k_layout.group, v_bits=planned.v_layout.bits,
+                     v_group=planned.v_layout.group)
         name = f"lrkv_site{site.index}"
         weight = site.key.weight
         with self.graph.inserting_before(marker):
             down_k = self.constant(f"{name}_down_k", planned.down_k.T, weight)
             down_v = self.constant(f"{name}_down_v", planned.down_v.T, weight)
-            latent_k = self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None))
-            latent_v = self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))
-            cos = site.rope.cos if site.rope else None
-            sin = site.rope.sin if site.rope else None
-            self.graph.call_function(torch.ops.lrkv.latent_write.default,
-                                     (buf_k, buf_v, rope_cos, rope_sin, latent_k, latent_v, cos, sin, length))
+            self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs={
+                **state, "new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
+                "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None)),
+                "cos": site.rope.cos if site.rope else None, "sin": site.rope.sin if site.rope else None})
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
         absorb = path.startswith("absorbed") and site.out_proj is not None
         if not absorb:
             path = "up after reduction"
         with self.graph.inserting_before(site.sdpa):
-            up_k = self.constant(f"{name}_up_k", planned.up_k, weight)
-            up_v = None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight)
-            bias_v = None if absorb else site.value.bias
-            attention = self.graph.call_function(
-                torch.ops.lrkv.latent_attention.default,
-                (site.query, buf_k, buf_v, rope_cos, rope_sin, up_k, site.key.bias, up_v, bias_v, length,
-                 site.attn_mask, site.scale if site.scale is not None else site.head_dim ** -0.5,
-                 site.num_kv_heads))
+            attention = self.graph.call_function(torch.ops.lrkv.latent_attention.default, kwargs={
+                **state, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
+                "bias_k": site.key.bias, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
+                "bias_v": None if absorb else site.value.bias, "attn_mask": site.attn_mask,
+                "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
+                "num_kv_heads": site.num_kv_heads})
         if absorb:
             self.absorb_output(site, planned, attention, name)
         else:
@@ -169,8 +176,8 @@ def rewrite(gm: GraphModule, sites, plan, example_inputs, value_policy="auto") -
         if site.cache == "latent":
             path = rewriter.latent(site, planned, value_policy)
         else:
-            rewriter.factored(site.key, planned.down_k, planned.up_k, f"lrkv_site{site.index}_k")
-            rewriter.factored(site.value, planned.down_v, planned.up_v, f"lrkv_site{site.index}_v")
+            rewriter.factored(site.key, planned.down_k, planned.up_k, planned.k_layout, f"lrkv_site{site.index}_k")
+            rewriter.factored(site.value, planned.down_v, planned.up_v, planned.v_layout, f"lrkv_site{site.index}_v")
             path = "full values (factored projection)"
         reports.append(SiteReport(site.index, site.k_weight, site.cache, "rewritten", planned.rank_k,
                                   planned.rank_v, path))

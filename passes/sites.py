@@ -86,7 +86,10 @@ def _split_cache(node: Node):
     if is_function(node, {operator.getitem}) and isinstance(node.args[0], Node):
         marker = node.args[0]
         if marker.op == "call_function" and str(marker.target).startswith(CACHE_MARKER):
-            return "latent", marker.args[node.args[1]], (marker,)
+            index = node.args[1]  # 0: keys, 1: values
+            name = ("key_states", "value_states")[index]
+            new = marker.kwargs[name] if name in marker.kwargs else marker.args[index]
+            return "latent", new, (marker,)
     if is_function(node, {torch.cat}):
         parts = node.args[0]
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)

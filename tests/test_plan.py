@@ -82,9 +82,13 @@ def test_plan_validation_names_the_field():
     with pytest.raises(lrkv.PlanError, match="group_size=4 does not divide num_kv_heads=2"):
         lrkv.RankPlan.uniform(model, keep=0.5, scheme="group", progress=False)
     site = lrkv.RankPlan.uniform(model, keep=0.5, progress=False).sites[0]
-    with pytest.raises(lrkv.PlanError, match="bits_v=4"):
-        type(site)(**{**site.metadata(), "bits_v": 4}, down_k=site.down_k, up_k=site.up_k, down_v=site.down_v,
-                   up_v=site.up_v)
+    factors = dict(down_k=site.down_k, up_k=site.up_k, down_v=site.down_v, up_v=site.up_v)
+    with pytest.raises(lrkv.PlanError, match="v_layout: bits=5"):
+        type(site)(**{**site.metadata(), "v_layout": {"bits": 5}}, **factors)
+    with pytest.raises(lrkv.PlanError, match="group=32 does not divide rank_k=16"):
+        type(site)(**{**site.metadata(), "k_layout": {"bits": 4, "group": 32}}, **factors)
+    with pytest.raises(lrkv.PlanError, match="K latents: bits=5"):
+        lrkv.RankPlan.uniform(model, keep=0.5, bits_k=5, progress=False)
     with pytest.raises(lrkv.PlanError, match="calibration batch 0"):
         lrkv.calibrate(model, [torch.randn(2, 8)], keep=0.5)
 
