@@ -1,4 +1,5 @@
-"""Command line: `lrkv explain` (what the matcher finds) and `lrkv ppl` (the perplexity table)."""
+"""Command line: `lrkv explain` (what the matcher finds), `lrkv ppl` (the perplexity table) and `lrkv eval`
+(the continuation protocol beside transformers' QuantizedCache)."""
 import argparse
 import json
 
@@ -45,6 +46,63 @@ def cmd_ppl(args):
             json.dump(results, handle, indent=2)
 
 
+def _setting(text: str) -> dict:
+    """'k0.5:4,v1:3' -> keep_k 0.5 at 4 bits, keep_v 1.0 at 3 bits."""
+    setting = {}
+    for part in text.split(","):
+        side, spec = part[0], part[1:]
+        keep, _, bits = spec.partition(":")
+        if side not in "kv" or not keep:
+            raise SystemExit(f"lrkv eval: plan setting {text!r}: write it as k<keep>:<bits>,v<keep>:<bits>")
+        setting[f"keep_{side}"] = float(keep)
+        setting[f"bits_{side}"] = int(bits or 16)
+    return setting
+
+
+def cmd_eval(args):
+    """The continuation protocol on real text: full cache, lrkv plans, transformers' QuantizedCache."""
+    import lrkv_compile as lrkv
+    from rich.console import Console
+    from rich.table import Table
+    from transformers import DynamicCache, QuantizedCache
+    from .calibrate import collect_grams
+    from .evaluate import continuation_perplexity, quantized_cache_fraction
+    from .models import load_smollm2
+    model, tokenizer = load_smollm2()
+    calibration, evaluation = _data(tokenizer, args.calib_rows, args.eval_rows, args.length)
+    prefix = args.length - args.score
+    rows = []
+
+    def score(name, forward, make_cache, fraction):
+        ppl = continuation_perplexity(forward, evaluation, prefix, make_cache, desc=name)
+        rows.append({"cache": name, "bytes": fraction, "perplexity": ppl})
+
+    score("full (16-bit)", model.forward, lambda length: DynamicCache(config=model.config), 1.0)
+    for nbits in args.quanto_bits:
+        score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", model.forward,
+              lambda length, nbits=nbits: QuantizedCache(backend="quanto", config=model.config, nbits=nbits,
+                                                         q_group_size=args.quanto_group),
+              quantized_cache_fraction(nbits, args.quanto_group))
+    grams = collect_grams(model, calibration) if args.plans else None
+    for text in args.plans:
+        plan = lrkv.calibrate(model, calibration, grams=grams, group=args.group, progress=False, **_setting(text))
+        lm = lrkv.compile(model, plan)
+        score(f"lrkv {text}", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=length),
+              plan.budget)
+    base = rows[0]["perplexity"]
+    table = Table(title=f"SmolLM2-135M, continuation protocol: prefill {prefix} tokens, score the next {args.score} "
+                        f"({args.eval_rows} rows of Python docs prose, calibration on other text)")
+    for column in ("cache", "bytes vs 16-bit", "perplexity", "ratio to full"):
+        table.add_column(column)
+    for row in rows:
+        row["ratio"] = row["perplexity"] / base
+        table.add_row(row["cache"], f"{row['bytes']:.3f}", f"{row['perplexity']:.2f}", f"{row['ratio']:.3f}")
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=2)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="lrkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +117,18 @@ def main(argv=None):
     ppl.set_defaults(run=cmd_ppl)
     ppl.add_argument("--calib-rows", type=int, default=8, help="calibration rows of --length tokens")
     ppl.add_argument("--length", type=int, default=512)
+    evaluate = commands.add_parser("eval", help="continuation-protocol perplexity: full cache, lrkv plans, QuantizedCache")
+    evaluate.add_argument("--plans", nargs="*", default=["k0.5:4,v1:4", "k0.5:4,v1:3", "k0.25:4,v1:2"],
+                          help="lrkv plans as k<keep>:<bits>,v<keep>:<bits>")
+    evaluate.add_argument("--group", type=int, default=32, help="latent channels per quantization scale")
+    evaluate.add_argument("--quanto-bits", type=int, nargs="*", default=[4, 2])
+    evaluate.add_argument("--quanto-group", type=int, default=64)
+    evaluate.add_argument("--eval-rows", type=int, default=6)
+    evaluate.add_argument("--calib-rows", type=int, default=8)
+    evaluate.add_argument("--length", type=int, default=512, help="tokens per row")
+    evaluate.add_argument("--score", type=int, default=128, help="continuation tokens scored per row")
+    evaluate.add_argument("--json", help="also write the figures to this JSON file")
+    evaluate.set_defaults(run=cmd_eval)
     args = parser.parse_args(argv)
     args.run(args)
 

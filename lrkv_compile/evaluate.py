@@ -24,3 +24,29 @@ def compiled_forward(model, plan):
     """The model's forward compiled with the lrkv backend under `plan`, on a private copy of its code, so
     that scoring many plans never exhausts Dynamo's recompile limit (see `lrkv_compile.trace`)."""
     return torch.compile(private_forward(model), backend="lrkv", fullgraph=True, options={"plan": plan})
+
+
+@torch.no_grad()
+def continuation_perplexity(forward, rows, prefix: int, make_cache, progress=True, desc="continuation") -> float:
+    """The continuation protocol: prefill each row's first `prefix` tokens into a fresh cache
+    (`make_cache(row_length)`), then score the rest of the row in one forward through that cache.
+    Returns exp(mean NLL) over the continuation tokens, so only the cache's damage to the prefix shows."""
+    total_nll, total_tokens = 0.0, 0
+    for row in tqdm(rows, desc=desc, disable=not progress, unit="row"):
+        ids = row[None] if row.dim() == 1 else row
+        if not 0 < prefix < ids.shape[1] - 1:
+            raise ValueError(f"prefix={prefix} must leave at least two of the row's {ids.shape[1]} tokens to score")
+        cache = make_cache(ids.shape[1])
+        first = forward(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True).logits[:, -1:]
+        rest = forward(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits[:, :-1]
+        logits = torch.cat((first, rest), dim=1).float()
+        total_nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, prefix:].flatten(),
+                                                             reduction="sum"))
+        total_tokens += ids[:, prefix:].numel()
+    return math.exp(total_nll / total_tokens)
+
+
+def quantized_cache_fraction(nbits: int, group: int) -> float:
+    """Bytes of transformers' QuantizedCache (quanto) per 16-bit K/V byte, its full-precision residual window
+    left out: nbits per value plus an fp16 scale and zero point per group."""
+    return nbits / 16 + 2 * 2 / (2 * group)

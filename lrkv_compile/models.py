@@ -21,6 +21,9 @@ def load_smollm2(dtype=None):
     """(model, tokenizer) for SmolLM2-135M-Instruct, dequantized from its GGUF file, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"reading GGUF model files needs {missing}: pip install 'lrkv[models]'")
     path = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
