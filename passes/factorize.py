@@ -2,7 +2,9 @@
 
 For a projection y = x W^T with input Gram G = E[x^T x] = S S^T (Cholesky), the rank-r W' that
 minimises E||x (W - W')^T||^2 is W' = U_r S_r V_r^T S^-1 where W S = U S V^T (SVD-LLM, Thm. 1).
-We store it as y' = (x down) up with down = S^-T V_r (whitened latents) and up = S_r U_r^T.
+We store it as y' = (x down) up with down = S^-T V_r S_r and up = U_r^T: `up` has orthonormal rows, so
+an error in a latent (quantization) reaches the keys/values with the same norm instead of being scaled
+by the singular values, and uniform quantization spends its bits where the output needs them.
 Schemes split the output channels into `groups` independent blocks (Palu: M-LRD = one block per
 head, G-LRD = one per group of heads, J-LRD = one block); `up` is then block diagonal.
 """
@@ -61,8 +63,8 @@ def factorize(weight: torch.Tensor, whitening: torch.Tensor | None, blocks: int,
         v_r = vh[:block_rank].T  # [in, block_rank]
         if whitening is not None:
             v_r = torch.linalg.solve_triangular(whitening.T, v_r, upper=True)  # S^-T V_r
-        down[:, cols] = v_r
-        up[cols, rows] = s[:block_rank, None] * u[:, :block_rank].T
+        down[:, cols] = v_r * s[:block_rank]
+        up[cols, rows] = u[:, :block_rank].T
     return down.float(), up.float()
 
 
