@@ -112,3 +112,13 @@ def test_backend_option_errors():
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
     with pytest.raises(Exception, match="unknown lrkv option"):
         torch.compile(model.forward, backend="lrkv", options={"plan": plan, "rank": 3})(input_ids=ids, use_cache=False)
+
+
+def test_up_factors_have_orthonormal_rows():
+    """Singular values live in `down`, so a latent's (quantization) error reaches K/V with its own norm."""
+    weight = torch.randn(16, 32)
+    activations = torch.randn(256, 32) * torch.linspace(0.1, 3, 32)
+    whitening = whitening_factor(activations.double().T @ activations.double() / 256)
+    for blocks in (1, 2, 4):
+        _, up = factorize(weight, whitening, blocks, 8)
+        torch.testing.assert_close(up @ up.T, torch.eye(8), atol=1e-5, rtol=0)
