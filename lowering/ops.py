@@ -14,11 +14,6 @@ from lrkv_compile.errors import UnrewrittenSiteError
 from . import quantize, reference
 
 
-def arguments(op) -> list[str]:
-    """The argument names of a `torch.ops.lrkv.*` overload, in schema order."""
-    return [argument.name for argument in op._schema.arguments]
-
-
 @torch.library.custom_op("lrkv::cache_marker", mutates_args=())
 def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor,
                  latent_v: Tensor, v_scale: Tensor, v_zero: Tensor, rope_cos: Tensor, rope_sin: Tensor,

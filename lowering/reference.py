@@ -122,7 +122,8 @@ def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
     probs = probs.view(batch, num_kv_heads, group, tokens, slots)
-    latent_values = read_latents(latent_v, v_scale, v_zero, v_bits, v_group, batch, slots)  # [batch, slots, rank_v]
+    # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
+    latent_values = read_latents(latent_v, v_scale, v_zero, v_bits, v_group, batch, slots).to(query.dtype).float()
     context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
     if up_v is None:
         return context.reshape(batch, heads, tokens, -1).transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)

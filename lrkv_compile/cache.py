@@ -38,8 +38,24 @@ class LatentLayer(CacheLayerMixin):
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self.is_initialized = True
 
+    _TENSORS = ("keys", "k_scale", "k_zero", "values", "v_scale", "v_zero")
+
     def tensors(self) -> list:
-        return [self.keys, self.k_scale, self.k_zero, self.values, self.v_scale, self.v_zero]
+        return [getattr(self, name) for name in self._TENSORS]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder every buffer along the batch (the base class reorders keys and values only,
+        which would read codes with another beam's scales)."""
+        if self.get_seq_length() > 0:
+            for name in self._TENSORS:
+                tensor = getattr(self, name)
+                if tensor.numel():
+                    setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def reset(self) -> None:
+        super().reset()
+        for tensor in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
+            tensor.zero_()
 
     def lazy_initialization(self, key_states, value_states):
         return None

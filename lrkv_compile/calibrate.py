@@ -201,6 +201,11 @@ def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_s
             # a quantized side's rank is a whole number of quantization groups
             multiple = side_blocks if layout.bits == 16 else math.lcm(side_blocks, layout.group)
             ranks[side] = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, multiple)
+            asked = side_keep * site.num_kv_heads * site.head_dim
+            if multiple > side_blocks and abs(ranks[side] - asked) >= side_blocks and site.index == 0:
+                warnings.warn(f"lrkv: keep_{side}={side_keep} asks for rank {asked:g}; a whole number of quantization "
+                              f"groups (group={layout.group}, rank a multiple of {multiple}) gives rank {ranks[side]}: "
+                              "pick a group that divides the rank you want", LrkvWarning, stacklevel=3)
             down, up = factorize(params[weight].detach().float().cpu(), whitening, side_blocks, ranks[side])
             factors[f"down_{side}"], factors[f"up_{side}"] = rotate(down, up, layout.rotation, side_blocks,
                                                                     seed=site.index)

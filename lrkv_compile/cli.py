@@ -77,7 +77,7 @@ def cmd_eval(args):
         ppl = continuation_perplexity(forward, evaluation, prefix, make_cache, desc=name)
         rows.append({"cache": name, "bytes": fraction, "perplexity": ppl})
 
-    score("full (16-bit)", model.forward, lambda length: DynamicCache(config=model.config), 1.0)
+    score("full cache", model.forward, lambda length: DynamicCache(config=model.config), 1.0)
     for nbits in args.quanto_bits:
         score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", model.forward,
               lambda length, nbits=nbits: QuantizedCache(backend="quanto", config=model.config, nbits=nbits,

@@ -38,7 +38,7 @@ class Layout:
     rotation: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
             raise PlanError(f"bits={self.bits!r}; choose one of {SUPPORTED_BITS} (16 = unquantized)")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
             raise PlanError(f"group={self.group!r} must be a positive integer (latent channels per scale)")

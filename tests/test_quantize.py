@@ -109,3 +109,24 @@ def test_version_1_plan_files_load(tmp_path):
         loaded = lrkv.RankPlan.load(tmp_path / "v1.safetensors")
     assert loaded.schema_version == 2 and loaded.sites[0].k_layout == lrkv.Layout(bits=16)
     assert loaded.sites[0].rank_k == plan.sites[0].rank_k and torch.equal(loaded.sites[1].up_v, plan.sites[1].up_v)
+
+
+def test_beam_search_through_a_quantized_cache_equals_the_reference():
+    """Beam reordering moves scales and zero points with their codes."""
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, bits_k=4, bits_v=3, group=8, progress=False)
+    reference = lrkv.low_rank_reference(model, plan)
+    ids = torch.randint(0, VOCAB, (1, 7))
+    settings = dict(max_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=2)
+    with torch.no_grad():
+        out = lrkv.compile(model, plan).generate(ids, **settings)
+        expected = reference.generate(ids, **settings)
+    assert torch.equal(out, expected)
+
+
+def test_a_rank_rounded_to_whole_groups_warns_and_bits_must_be_integers():
+    model = build_model(SMALL)
+    with pytest.warns(lrkv.LrkvWarning, match="gives rank 16"):
+        lrkv.RankPlan.uniform(model, keep=0.25, bits=4, group=16, progress=False)
+    with pytest.raises(lrkv.PlanError, match="bits=4.0"):
+        lrkv.Layout(bits=4.0)
