@@ -11,7 +11,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lrkv_compile.lowering import ops
-from lrkv_compile.lowering.quantize import packed_width
 from .errors import LrkvWarning, PlanMismatchError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
@@ -109,14 +108,12 @@ class LatentCache(Cache):
                 tables[site.rope_group] = (torch.zeros(shape, dtype=dtype, device=device),
                                            torch.zeros(shape, dtype=dtype, device=device))
         def buffers(rank, layout):
-            slots = (max_batch_size, max_cache_len)
-            if layout.bits == 16:
-                empty = torch.zeros(0, dtype=torch.float16, device=device)
-                return torch.zeros(*slots, rank, dtype=dtype, device=device), empty, empty.clone()
-            groups = rank // layout.group
-            return (torch.zeros(*slots, packed_width(rank, layout.bits), dtype=torch.uint8, device=device),
-                    torch.zeros(*slots, groups, dtype=torch.float16, device=device),
-                    torch.zeros(*slots, groups, dtype=torch.float16, device=device))
+            latents, groups = layout.stored_widths(rank)
+            scale_shape = (max_batch_size, max_cache_len, groups) if groups else (0,)  # 16-bit sides: empty
+            return (torch.zeros(max_batch_size, max_cache_len, latents, device=device,
+                                dtype=dtype if layout.bits == 16 else torch.uint8),
+                    torch.zeros(scale_shape, dtype=torch.float16, device=device),
+                    torch.zeros(scale_shape, dtype=torch.float16, device=device))
 
         layers = [LatentLayer(buffers(site.rank_k, site.k_layout), buffers(site.rank_v, site.v_layout),
                               *tables[site.rope_group], site.layer) for site in plan.sites]
@@ -140,6 +137,6 @@ class LatentCache(Cache):
     def full_cache_nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes a full (uncompressed) K/V cache of the same capacity would hold, in `dtype` (default: the
         cache's dtype). nbytes() / full_cache_nbytes(torch.float16) is the plan's budget."""
-        element = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        element = (dtype or self.dtype).itemsize
         per_token = sum(2 * site.num_kv_heads * site.head_dim for site in self.plan.sites)
         return self.max_batch_size * self.max_cache_len * per_token * element

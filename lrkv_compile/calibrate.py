@@ -214,7 +214,8 @@ def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_s
             layer=site.index, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
             num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
             k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"], rank_k=ranks["k"], rank_v=ranks["v"],
-            k_layout=layouts["k"], v_layout=layouts["v"], rope_group=rope_group, k_fingerprint=weight_fingerprint(params[site.k_weight]),
+            k_layout=layouts["k"], v_layout=layouts["v"], rope_group=rope_group,
+            k_fingerprint=weight_fingerprint(params[site.k_weight]),
             v_fingerprint=weight_fingerprint(params[site.v_weight]), **factors))
     return RankPlan(sites=tuple(planned), source="calibrated" if grams is not None else "uniform",
                     calibration_tokens=grams.tokens if grams is not None else 0)

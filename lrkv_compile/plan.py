@@ -51,9 +51,8 @@ class Layout:
 
     def bytes_per_token(self, rank: int) -> int:
         """Cache bytes one token's latents take, counted against a 16-bit cache (2 bytes per 16-bit value)."""
-        if self.bits == 16:
-            return 2 * rank
-        return packed_width(rank, self.bits) + 2 * 2 * (rank // self.group)  # codes + fp16 scale and zero
+        latents, groups = self.stored_widths(rank)
+        return (2 * latents if self.bits == 16 else latents) + 2 * 2 * groups  # + fp16 scale and zero per group
 
 
 @dataclass(frozen=True)
