@@ -55,21 +55,20 @@ def _(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, 
 
 @torch.library.custom_op("lrkv::latent_attention", mutates_args=())
 def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, latent_v: Tensor,
-                     v_scale: Tensor, v_zero: Tensor, rope_cos: Tensor, rope_sin: Tensor, up_k: Tensor,
-                     bias_k: Optional[Tensor], up_v: Optional[Tensor], bias_v: Optional[Tensor], length: Tensor,
-                     attn_mask: Optional[Tensor], softmax_scale: float, num_kv_heads: int, k_bits: int, k_group: int,
-                     v_bits: int, v_group: int) -> Tensor:
+                     v_scale: Tensor, v_zero: Tensor, rope_cos: Tensor, rope_sin: Tensor, new_k: Tensor,
+                     new_v: Tensor, up_k: Tensor, bias_k: Optional[Tensor], up_v: Optional[Tensor],
+                     bias_v: Optional[Tensor], length: Tensor, attn_mask: Optional[Tensor], softmax_scale: float,
+                     num_kv_heads: int, k_bits: int, k_group: int, v_bits: int, v_group: int) -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract."""
     return reference.latent_attention(**locals())  # the op's own arguments, by name
 
 
 @latent_attention.register_fake
-def _(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, up_k, bias_k, up_v, bias_v,
-      length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, v_bits, v_group):
+def _(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v, up_k, bias_k,
+      up_v, bias_v, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, v_bits, v_group):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
-        rank_v = latent_v.shape[-1] if v_bits == 16 else v_scale.shape[-1] * v_group
-        return query.new_empty(batch, tokens, heads * rank_v)
+        return query.new_empty(batch, tokens, heads * new_v.shape[-1])
     return query.new_empty(batch, heads, tokens, head_dim)
 
 

@@ -99,19 +99,30 @@ def _allowed(attn_mask, batch, tokens, slots, device):
     return allowed, additive
 
 
-def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, up_k, bias_k,
-                     up_v, bias_v, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, v_bits, v_group):
+def _with_this_step(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Latents read back from the cache, with the slots of this step's tokens replaced by their exact values."""
+    tokens = new.shape[1]
+    return torch.cat((cached[:, :cached.shape[1] - tokens], new.float()), dim=1)
+
+
+def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v,
+                     up_k, bias_k, up_v, bias_v, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
+                     v_bits, v_group):
     """Attention of `query` over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
     query: [batch, heads, tokens, head_dim] (RoPE already applied); length: slots valid after this step.
+    new_k, new_v: this step's latents [batch, tokens, rank], just written to the cache's last `tokens` slots.
+    Tokens of earlier steps are read back from the cache (dequantized); this step's tokens attend to each
+    other with their exact latents, as transformers' QuantizedCache and KIVI do with their unquantized
+    residual: quantization costs only what is stored.
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
     """
     batch, heads, tokens, head_dim = query.shape
     slots = int(length)
     group = heads // num_kv_heads
-    latents_k = read_latents(latent_k, k_scale, k_zero, k_bits, k_group, batch, slots)
+    latents_k = _with_this_step(read_latents(latent_k, k_scale, k_zero, k_bits, k_group, batch, slots), new_k)
     keys = reconstruct_keys(latents_k.to(query.dtype), rope_cos, rope_sin, up_k, bias_k, num_kv_heads)
     q = query.view(batch, num_kv_heads, group, tokens, head_dim).float()
     scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * softmax_scale
@@ -123,7 +134,8 @@ def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
     probs = probs.view(batch, num_kv_heads, group, tokens, slots)
     # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
-    latent_values = read_latents(latent_v, v_scale, v_zero, v_bits, v_group, batch, slots).to(query.dtype).float()
+    latent_values = _with_this_step(read_latents(latent_v, v_scale, v_zero, v_bits, v_group, batch, slots), new_v)
+    latent_values = latent_values.to(query.dtype).float()
     context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
     if up_v is None:
         return context.reshape(batch, heads, tokens, -1).transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)

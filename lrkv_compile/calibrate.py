@@ -4,15 +4,17 @@ Every input is validated before the model is traced or run; the model is traced 
 (one trace for the usual equal-length rows), and that trace both names the sites and records their inputs.
 """
 import math
+import numbers
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from lrkv_compile.passes.factorize import SCHEMES, blocks_for, factorize, rotate, whitening_factor
+from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES, blocks_for, factorize, rotate, whitening_factor
 from lrkv_compile.passes.sites import find_sites
+from .allocate import CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, candidate_ranks, score
 from .errors import LrkvWarning, PlanError
 from .plan import Layout, RankPlan, SitePlan, check_keep, rank_for, weight_fingerprint
 from .trace import capture
@@ -62,25 +64,44 @@ def discover(model, input_ids):
 
 @dataclass
 class CalibrationStats:
-    """What one pass over the calibration text gives: the sites (from the trace) and each site's K/V input
-    Gram x^T x (float64, summed over `tokens` tokens)."""
+    """What one pass over the calibration text gives: the sites (from the trace), each site's K/V input
+    Gram x^T x (float64, summed over `tokens` tokens), and, when collected with `fisher=True`, the Fisher
+    matrix g^T g of the loss gradient at each site's K and V outputs ({(site, "k"|"v"): summed}) and
+    `samples`: up to SAMPLES K/V inputs per site, spread over the text, to measure candidate errors on."""
     sites: list
     unmatched: list
     grams: list
     tokens: int
+    fisher: dict = None
+    samples: list = None
+    scored: dict = field(default_factory=dict)  # allocation candidates, kept for further budgets
 
 
-class _GramRecorder:
-    """Accumulates x^T x (float64) of each site's K/V input, called from inside the traced graph."""
+SAMPLES = 512
 
-    def __init__(self, count):
+
+class _Recorder:
+    """Called from inside the traced graph: accumulates each site's input Gram (float64), keeps a sample
+    of its inputs, and puts a zero leaf on its K/V outputs whose gradient is the loss gradient there."""
+
+    def __init__(self, count, stride, fisher):
         self.grams = [None] * count
+        self.samples = [[] for _ in range(count)]
+        self.stride, self.fisher = stride, fisher
+        self.leaves = {}
 
     def record(self, site_index, x):
         flat = x.detach().reshape(-1, x.shape[-1]).double().cpu()
         gram = flat.T @ flat
         self.grams[site_index] = gram if self.grams[site_index] is None else self.grams[site_index] + gram
+        if self.fisher:
+            self.samples[site_index].append(flat[::self.stride].float())
         return x
+
+    def output(self, site_index, side, y):
+        leaf = torch.zeros_like(y, requires_grad=True)
+        self.leaves[site_index, side] = leaf
+        return y + leaf
 
 
 def _instrument(gm, sites, recorder):
@@ -88,19 +109,36 @@ def _instrument(gm, sites, recorder):
         with gm.graph.inserting_after(site.key.x):
             recorded = gm.graph.call_function(recorder.record, (site.index, site.key.x))
         site.key.x.replace_all_uses_with(recorded, delete_user_cb=lambda user: user is not recorded)
+        if recorder.fisher:
+            for side, projection in (("k", site.key), ("v", site.value)):
+                with gm.graph.inserting_after(projection.linear):
+                    marked = gm.graph.call_function(recorder.output, (site.index, side, projection.linear))
+                projection.linear.replace_all_uses_with(marked, delete_user_cb=lambda user: user is not marked)
     gm.recompile()
 
 
-def collect_grams(model, batches, progress=True, check_sites=None) -> CalibrationStats:
-    """Input Gram matrices of every site's K/V projections over the calibration rows, one row per step.
+def _logits(outputs, row, vocab_size):
+    found = [t for t in outputs if isinstance(t, torch.Tensor) and tuple(t.shape) == (1, row.shape[1], vocab_size)]
+    if len(found) != 1:
+        raise RuntimeError(f"lrkv internal error: {len(found)} graph outputs have the shape of the logits")
+    return found[0]
 
+
+def collect_stats(model, batches, progress=True, check_sites=None, fisher=False) -> CalibrationStats:
+    """Statistics of every site's K/V projections over the calibration rows, one row per step.
+
+    fisher: also run the loss backward on each row (next-token cross-entropy), for the Fisher matrices
+    and input samples that budget allocation (`lrkv_compile.allocate`) scores candidates with.
     check_sites(sites), if given, runs after the first trace and before any row is run.
     """
     rows = [row[None] for batch in as_batches(batches) for row in batch]
     device = next(model.parameters()).device
     traces, stats, recorder = {}, None, None
     total = sum(row.shape[1] for row in rows)
-    bar = tqdm(total=total, desc="lrkv calibrate: activations", disable=not progress, unit="tok")
+    stride = max(1, total // SAMPLES)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    bar = tqdm(total=total, desc="lrkv calibrate: activations" + (" and gradients" if fisher else ""),
+               disable=not progress, unit="tok")
     with bar:
         for row in rows:
             row = row.to(device)
@@ -110,19 +148,33 @@ def collect_grams(model, batches, progress=True, check_sites=None) -> Calibratio
                 if stats is None:
                     if check_sites is not None:
                         check_sites(sites)
-                    recorder = _GramRecorder(len(sites))
-                    stats = CalibrationStats(sites, unmatched, recorder.grams, 0)
+                    recorder = _Recorder(len(sites), stride, fisher)
+                    stats = CalibrationStats(sites, unmatched, recorder.grams, 0, {} if fisher else None,
+                                             recorder.samples if fisher else None)
                 elif [s.k_weight for s in sites] != [s.k_weight for s in stats.sites]:
                     raise RuntimeError(f"lrkv internal error: rows of {length} tokens trace to other sites")
                 _instrument(gm, sites, recorder)
-                traces[length] = (gm, example_inputs, ids_index)
+                traces[length] = (gm, [t.detach() if isinstance(t, torch.Tensor) else t for t in example_inputs],
+                                  ids_index)
             gm, example_inputs, ids_index = traces[length]
             inputs = list(example_inputs)
             inputs[ids_index] = row
-            with torch.no_grad():
-                gm(*inputs)
+            if fisher:
+                with torch.enable_grad():
+                    logits = _logits(gm(*inputs), row, vocab_size).float()
+                    loss = torch.nn.functional.cross_entropy(logits[0, :-1], row[0, 1:], reduction="sum")
+                    keys = list(recorder.leaves)
+                    grads = torch.autograd.grad(loss, [recorder.leaves[key] for key in keys])
+                for key, grad in zip(keys, grads):
+                    flat = grad.detach().reshape(-1, grad.shape[-1]).double().cpu()
+                    stats.fisher[key] = flat.T @ flat + stats.fisher.get(key, 0)
+            else:
+                with torch.no_grad():
+                    gm(*inputs)
             stats.tokens += row.numel()
             bar.update(length)
+    if fisher:
+        stats.samples[:] = [torch.cat(parts) for parts in stats.samples]
     return stats
 
 
@@ -160,29 +212,60 @@ def _layouts(bits, bits_k, bits_v, group, rotation) -> dict:
     return layouts
 
 
-def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_scheme=None, group_size=None,
-               keep_k=None, keep_v=None, bits=16, bits_k=None, bits_v=None, group=32, rotation=None, progress=True,
-               grams=None) -> RankPlan:
-    """Plan every attention site of `model`. With `batches`, factors are activation-aware (whitened SVD).
+def _factor(weight, whitening, blocks, rank, layout, seed):
+    """The plan's factors of one side: whitened SVD truncated to `rank`, then the layout's rotation fused in."""
+    down, up = factorize(weight, whitening, blocks, rank)
+    return rotate(down, up, layout.rotation, blocks, seed=seed)
 
-    grams: a `CalibrationStats` from `collect_grams` on the same model, to factorize many plans from one pass.
-    """
-    keep = check_keep(keep)
-    keep_k = keep if keep_k is None else check_keep(keep_k, "keep_k")
-    keep_v = keep if keep_v is None else check_keep(keep_v, "keep_v")
-    layouts = _layouts(bits, bits_k, bits_v, group, rotation)
+
+def _budget_options(model, budget, method, options):
+    """Validate the budget-mode arguments; the per-side layouts are the allocator's to choose."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
+        raise PlanError(f"budget={budget!r} must be a number in (0, 1]: the fraction of a 16-bit K/V cache's bytes "
+                        "the latent cache may take")
+    if method not in METHODS and method != "none":
+        raise PlanError(f"method={method!r}; choose one of {tuple(METHODS) + ('none',)}")
+    chosen_by_budget = {"keep", "keep_k", "keep_v", "bits", "bits_k", "bits_v", "group"}
+    clash = sorted(name for name, value in options.items() if name in chosen_by_budget and value is not None)
+    if clash:
+        raise PlanError(f"{', '.join(clash)} cannot be combined with budget=: the budget's allocation chooses "
+                        "ranks, bits and groups per site; pass either budget= or keep= (and bits=)")
+
+
+def build_plan(model, batches=None, keep=None, budget=None, method="search", scheme="joint", k_scheme=None,
+               v_scheme=None, group_size=None, keep_k=None, keep_v=None, bits=None, bits_k=None, bits_v=None,
+               group=None, rotation=None, progress=True, stats=None) -> RankPlan:
+    """Plan every attention site of `model`; see `calibrate` for the arguments. With `batches` (or `stats`),
+    factors are activation-aware (whitened SVD); without, plain SVD of the weights."""
+    if budget is not None:
+        _budget_options(model, budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits,
+                                                    bits_k=bits_k, bits_v=bits_v, group=group))
+        if method != "none" and batches is None and stats is None:
+            raise PlanError(f"method={method!r} measures each choice on calibration text: pass batches, or use "
+                            "method='none' for an uncalibrated full-rank quantized plan")
+        layouts = None
+    else:
+        keep = check_keep(0.5 if keep is None else keep)
+        keep_k = keep if keep_k is None else check_keep(keep_k, "keep_k")
+        keep_v = keep if keep_v is None else check_keep(keep_v, "keep_v")
+        layouts = _layouts(16 if bits is None else bits, bits_k, bits_v, 32 if group is None else group, rotation)
+    if rotation is not None and rotation not in ROTATIONS:
+        raise PlanError(f"rotation={rotation!r}; choose one of {ROTATIONS}")
     k_scheme, v_scheme = _schemes(scheme, k_scheme, v_scheme)
     if group_size is None:
         group_size = DEFAULT_GROUP_SIZE
     elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise PlanError(f"group_size={group_size!r} must be a positive integer (heads per group)")
-    if grams is not None and not isinstance(grams, CalibrationStats):
-        raise PlanError(f"grams must be the CalibrationStats that collect_grams returns, got {type(grams).__name__}")
-    if grams is None and batches is not None:
-        grams = collect_grams(model, batches, progress,
+    fisher = budget is not None and method != "none"
+    if stats is not None and not isinstance(stats, CalibrationStats):
+        raise PlanError(f"stats must be the CalibrationStats that collect_stats returns, got {type(stats).__name__}")
+    if stats is not None and fisher and stats.fisher is None:
+        raise PlanError("budget= with a method that measures needs stats collected with collect_stats(..., fisher=True)")
+    if stats is None and batches is not None:
+        stats = collect_stats(model, batches, progress, fisher=fisher,
                               check_sites=lambda sites: _blocks(sites, k_scheme, v_scheme, group_size))
-    if grams is not None:
-        sites, unmatched = grams.sites, grams.unmatched
+    if stats is not None:
+        sites, unmatched = stats.sites, stats.unmatched
     else:
         _, _, _, sites, unmatched = discover(model, torch.arange(8, device=next(model.parameters()).device)[None])
     blocks = _blocks(sites, k_scheme, v_scheme, group_size)
@@ -191,48 +274,137 @@ def build_plan(model, batches=None, keep=0.5, scheme="joint", k_scheme=None, v_s
                       f"(they stay full): {'; '.join(f'{u.node}: {u.reason}' for u in unmatched)}",
                       LrkvWarning, stacklevel=3)
     params = dict(model.named_parameters())
+    weights = {(site.index, side): params[name].detach().float().cpu()
+               for site in sites for side, name in (("k", site.k_weight), ("v", site.v_weight))}
+    whitening = {site.index: whitening_factor(stats.grams[site.index] / stats.tokens) if stats is not None else None
+                 for site in sites}
     rope_groups = {}
+    for site in sites:
+        rope_groups.setdefault(site.rope_key, len(rope_groups))
+    if budget is not None:
+        # a LatentCache stores one cos and one sin row per slot and RoPE group, in the model's dtype
+        itemsize = next(model.parameters()).dtype.itemsize
+        rope_bytes = sum(2 * itemsize * next(s.head_dim for s in sites if s.rope_key == key)
+                         for key in rope_groups if key is not None)
+        full_bytes = sum(2 * 2 * site.num_kv_heads * site.head_dim for site in sites)
+        choices = _allocate(sites, blocks, weights, whitening, stats, budget * full_bytes - rope_bytes, rope_bytes,
+                            full_bytes, method, rotation or "hadamard", progress)
+    else:
+        choices = _keep_choices(sites, blocks, layouts, keep_k, keep_v)
     planned = []
     for site in tqdm(sites, desc="lrkv calibrate: factorize", disable=not progress, unit="site"):
-        whitening = whitening_factor(grams.grams[site.index] / grams.tokens) if grams is not None else None
-        factors, ranks = {}, {}
-        for side, side_keep, weight in (("k", keep_k, site.k_weight), ("v", keep_v, site.v_weight)):
-            side_blocks, layout = blocks[site.index, side], layouts[side]
-            # a quantized side's rank is a whole number of quantization groups
-            multiple = side_blocks if layout.bits == 16 else math.lcm(side_blocks, layout.group)
-            ranks[side] = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, multiple)
-            asked = side_keep * site.num_kv_heads * site.head_dim
-            if multiple > side_blocks and abs(ranks[side] - asked) >= side_blocks and site.index == 0:
-                warnings.warn(f"lrkv: keep_{side}={side_keep} asks for rank {asked:g}; a whole number of quantization "
-                              f"groups (group={layout.group}, rank a multiple of {multiple}) gives rank {ranks[side]}: "
-                              "pick a group that divides the rank you want", LrkvWarning, stacklevel=3)
-            down, up = factorize(params[weight].detach().float().cpu(), whitening, side_blocks, ranks[side])
-            factors[f"down_{side}"], factors[f"up_{side}"] = rotate(down, up, layout.rotation, side_blocks,
-                                                                    seed=site.index)
-        rope_group = rope_groups.setdefault(site.rope_key, len(rope_groups))
+        factors = {}
+        for side in ("k", "v"):
+            rank, layout = choices[site.index, side]
+            factors[f"down_{side}"], factors[f"up_{side}"] = _factor(
+                weights[site.index, side], whitening[site.index], blocks[site.index, side], rank, layout, site.index)
         planned.append(SitePlan(
             layer=site.index, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
             num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
-            k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"], rank_k=ranks["k"], rank_v=ranks["v"],
-            k_layout=layouts["k"], v_layout=layouts["v"], rope_group=rope_group,
+            k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"],
+            rank_k=choices[site.index, "k"][0], rank_v=choices[site.index, "v"][0],
+            k_layout=choices[site.index, "k"][1], v_layout=choices[site.index, "v"][1],
+            rope_group=rope_groups[site.rope_key],
             k_fingerprint=weight_fingerprint(params[site.k_weight]),
             v_fingerprint=weight_fingerprint(params[site.v_weight]), **factors))
-    return RankPlan(sites=tuple(planned), source="calibrated" if grams is not None else "uniform",
-                    calibration_tokens=grams.tokens if grams is not None else 0)
+    source = "uniform" if stats is None else "calibrated" if budget is None else f"calibrated: {method}"
+    return RankPlan(sites=tuple(planned), source=source, calibration_tokens=stats.tokens if stats is not None else 0)
 
 
-def calibrate(model, batches, keep=0.5, **options) -> RankPlan:
-    """Calibrated plan: whitened (activation-aware) SVD of every site's K/V projections.
+def _keep_choices(sites, blocks, layouts, keep_k, keep_v) -> dict:
+    """{(site, side): (rank, layout)} for a keep= plan: the same fraction and layout everywhere."""
+    choices = {}
+    for site in sites:
+        for side, side_keep in (("k", keep_k), ("v", keep_v)):
+            side_blocks, layout = blocks[site.index, side], layouts[side]
+            # a quantized side's rank is a whole number of quantization groups
+            multiple = side_blocks if layout.bits == 16 else math.lcm(side_blocks, layout.group)
+            rank = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, multiple)
+            asked = side_keep * site.num_kv_heads * site.head_dim
+            if multiple > side_blocks and abs(rank - asked) >= side_blocks and site.index == 0:
+                warnings.warn(f"lrkv: keep_{side}={side_keep} asks for rank {asked:g}; a whole number of quantization "
+                              f"groups (group={layout.group}, rank a multiple of {multiple}) gives rank {rank}: "
+                              "pick a group that divides the rank you want", LrkvWarning, stacklevel=4)
+            choices[site.index, side] = (rank, layout)
+    return choices
+
+
+def _full_rank(sites, latent_bytes, rope_bytes, full_bytes, rotation) -> dict:
+    """{(site, side): (rank, layout)}: full rank everywhere, at the most bits (then the smallest group) that fit."""
+    full = [min(site.num_kv_heads * site.head_dim, site.hidden_size) for site in sites]
+    fitting = []
+    for bits in CANDIDATE_BITS:
+        for group in CANDIDATE_GROUPS:
+            if any(rank % group for rank in full):
+                continue
+            layout = Layout(bits=bits, group=group, rotation=rotation)
+            spent = 2 * sum(layout.bytes_per_token(rank) for rank in full)
+            fitting.append((spent <= latent_bytes, bits, -group, spent, layout))
+    if not any(fits for fits, *_ in fitting):
+        smallest = min(spent for _, _, _, spent, _ in fitting)
+        raise PlanError(f"budget={(latent_bytes + rope_bytes) / full_bytes:.4g} is below what a full-rank plan can "
+                        f"reach, {(smallest + rope_bytes) / full_bytes:.4f} (2-bit latents); calibrate on text for "
+                        "lower budgets (method='search' with batches: lower ranks)")
+    layout = max(f for f in fitting if f[0])[-1]
+    return {(site.index, side): (rank, layout) for site, rank in zip(sites, full) for side in ("k", "v")}
+
+
+def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, rope_bytes, full_bytes, method, rotation,
+              progress) -> dict:
+    """{(site, side): (rank, layout)} under `latent_bytes` per token, by `method` (see `lrkv_compile.allocate`)."""
+    keys = [(site, side) for site in sites for side in ("k", "v")]
+
+    def ranks(site, side):
+        full = site.num_kv_heads * site.head_dim
+        return candidate_ranks(full, site.hidden_size, blocks[site.index, side])
+
+    if method == "none":
+        return _full_rank(sites, latent_bytes, rope_bytes, full_bytes, rotation)
+    cheapest = sum(Layout(bits=2, group=ranks(site, side)[0]).bytes_per_token(ranks(site, side)[0])
+                   for site, side in keys)
+    if cheapest > latent_bytes:
+        raise PlanError(f"budget={(latent_bytes + rope_bytes) / full_bytes:.4g} is below the smallest this model can "
+                        f"reach, {(cheapest + rope_bytes) / full_bytes:.4f} (every site at its lowest rank and 2 bits, "
+                        f"plus {rope_bytes} bytes per token of RoPE rows); ask for at least that")
+    options = {}
+    for site, side in tqdm(keys, desc="lrkv calibrate: score ranks and bits", disable=not progress, unit="side"):
+        weight = weights[site.index, side]
+        samples = stats.samples[site.index]
+        fisher = stats.fisher[site.index, side] / stats.tokens
+
+        def factor(rank, layout, site=site, side=side, weight=weight):
+            return _factor(weight, whitening[site.index], blocks[site.index, side], rank, layout, site.index)
+
+        key = (site.index, side, blocks[site.index, side], rotation)
+        if key not in stats.scored:
+            stats.scored[key] = score(factor, samples, samples @ weight.T, fisher.float(), ranks(site, side), rotation)
+        options[site.index, side] = stats.scored[key]
+    chosen = METHODS[method](options, latent_bytes)
+    return {key: (candidate.rank, candidate.layout) for key, candidate in chosen.items()}
+
+
+def calibrate(model, batches=None, keep=None, budget=None, method="search", **options) -> RankPlan:
+    """A plan for `model`: ranks and layouts of every attention site's K/V latents, with their factors.
 
     batches: token-id tensors of real text ([batch, tokens] or [tokens], or a list or iterator of them).
-    keep: fraction of the K/V channels the latents keep (rank / full dimension). Options: scheme ("joint",
-    "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme, group_size (heads per
-    group for "group", default 4), keep_k / keep_v (separate K and V fractions), bits (16 = unquantized,
-    8, 4, 3, 2) or bits_k / bits_v, group (latent channels per quantization scale, default 32; it must
-    divide the rank), rotation ("hadamard", the default for quantized sides, "orthogonal", "none"),
-    progress, grams (the result of `collect_grams` on the same model, to factorize many plans from one
-    pass over the text). `plan.budget` reports the bytes kept against a 16-bit cache.
+    budget: the fraction of a 16-bit K/V cache's bytes the latent cache may take (everything it stores per
+    token counts: latents, scales, zero points, RoPE rows), whatever the model's dtype. `method` chooses
+    each site's K and V rank, bits and quantization group under it (`lrkv_compile.allocate`): "search"
+    (default) minimises the estimated loss; "uniform" uses one setting for every site; "none" needs no
+    batches and gives a full-rank plan quantized to the widest bits that fit. `plan.budget` reports what
+    was reached (at most the request).
+    keep (instead of budget): fraction of the K/V channels the latents keep (rank / full dimension), the
+    same everywhere, with keep_k / keep_v (separate K and V fractions), bits (16 = unquantized, 8, 4, 3,
+    2) or bits_k / bits_v, group (latent channels per quantization scale, default 32; it must divide the
+    rank). keep=0.5 when neither is given.
+    Both: scheme ("joint", "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme,
+    group_size (heads per group for "group", default 4), rotation ("hadamard", the default for quantized
+    sides, "orthogonal", "none"), progress, stats (`collect_stats` on the same model, to make many plans
+    from one pass over the text; budget plans need it with fisher=True).
     """
-    if batches is None:
-        raise PlanError("calibrate needs token batches of real text; use RankPlan.uniform for an uncalibrated plan")
-    return build_plan(model, batches, keep=keep, **options)
+    if keep is not None and budget is not None:
+        raise PlanError("pass keep= or budget=, not both")
+    if batches is None and options.get("stats") is None and not (budget is not None and method == "none"):
+        raise PlanError("calibrate needs token batches of real text; use RankPlan.uniform for an uncalibrated plan, "
+                        "or budget=... with method='none'")
+    return build_plan(model, batches, keep=keep, budget=budget, method=method, **options)

@@ -22,16 +22,16 @@ def cmd_ppl(args):
     import lrkv_compile as lrkv
     from rich.console import Console
     from rich.table import Table
-    from .calibrate import collect_grams
+    from .calibrate import collect_stats
     from .evaluate import compiled_forward, perplexity
     from .models import load_smollm2
     model, tokenizer = load_smollm2()
     calibration, evaluation = _data(tokenizer, args.calib_rows, args.eval_rows, args.length)
     results = {"base": perplexity(model.forward, evaluation)}
-    grams = collect_grams(model, calibration)
+    grams = collect_stats(model, calibration)
     for scheme in args.schemes:
         for keep in args.keeps:
-            plan = lrkv.calibrate(model, calibration, keep=keep, scheme=scheme, grams=grams, progress=False)
+            plan = lrkv.calibrate(model, calibration, keep=keep, scheme=scheme, stats=grams, progress=False)
             results[f"{scheme} keep={keep}"] = perplexity(compiled_forward(model, plan), evaluation)
     table = Table(title=f"SmolLM2-135M perplexity, {args.eval_rows}x{args.length} tokens of Python docs prose")
     table.add_column("K/V scheme")
@@ -65,7 +65,7 @@ def cmd_eval(args):
     from rich.console import Console
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
-    from .calibrate import collect_grams
+    from .calibrate import collect_stats
     from .evaluate import continuation_perplexity, quantized_cache_fraction
     from .models import load_smollm2
     model, tokenizer = load_smollm2()
@@ -73,25 +73,33 @@ def cmd_eval(args):
     prefix = args.length - args.score
     rows = []
 
-    def score(name, forward, make_cache, fraction):
+    def score(name, kind, forward, make_cache, fraction):
         ppl = continuation_perplexity(forward, evaluation, prefix, make_cache, desc=name)
-        rows.append({"cache": name, "bytes": fraction, "perplexity": ppl})
+        rows.append({"cache": name, "kind": kind, "bytes": fraction, "perplexity": ppl})
 
-    score("full cache", model.forward, lambda length: DynamicCache(config=model.config), 1.0)
+    score("full cache", "full", model.forward, lambda length: DynamicCache(config=model.config), 1.0)
     for nbits in args.quanto_bits:
-        score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", model.forward,
+        score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", "QuantizedCache", model.forward,
               lambda length, nbits=nbits: QuantizedCache(backend="quanto", config=model.config, nbits=nbits,
                                                          q_group_size=args.quanto_group),
               quantized_cache_fraction(nbits, args.quanto_group))
-    grams = collect_grams(model, calibration) if args.plans else None
-    for text in args.plans:
-        plan = lrkv.calibrate(model, calibration, grams=grams, group=args.group, progress=False, **_setting(text))
+    stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
+    plans = [(f"lrkv budget {budget} ({args.method})",
+              lambda budget=budget: lrkv.calibrate(model, stats=stats, budget=budget, method=args.method))
+             for budget in args.budgets]
+    plans += [(f"lrkv {text}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
+                                                                 **_setting(text))) for text in args.plans]
+    for name, make_plan in plans:
+        plan = make_plan()
+        if args.save_plans:
+            plan.save(f"{args.save_plans}/{name.split(' (')[0].replace(' ', '-')}.safetensors")
         lm = lrkv.compile(model, plan)
-        score(f"lrkv {text}", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=length),
+        score(name, "lrkv", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=length),
               plan.budget)
     base = rows[0]["perplexity"]
-    table = Table(title=f"SmolLM2-135M, continuation protocol: prefill {prefix} tokens, score the next {args.score} "
-                        f"({args.eval_rows} rows of Python docs prose, calibration on other text)")
+    title = (f"SmolLM2-135M, continuation protocol: prefill {prefix} tokens, score the next {args.score} "
+             f"({args.eval_rows} rows of Python docs prose, calibration on other text)")
+    table = Table(title=title)
     for column in ("cache", "bytes vs 16-bit", "perplexity", "ratio to full"):
         table.add_column(column)
     for row in rows:
@@ -101,6 +109,33 @@ def cmd_eval(args):
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)
+    if args.plot:
+        _plot_frontier(rows, title, args.plot)
+
+
+def _plot_frontier(rows, title, path):
+    """Perplexity ratio against cache bytes, one marker style per kind of cache."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    styles = {"lrkv": ("o-", "tab:blue"), "QuantizedCache": ("s", "tab:orange"), "full": ("*", "black")}
+    for kind, (marker, color) in styles.items():
+        points = sorted((row["bytes"], row["ratio"], row["cache"]) for row in rows if row["kind"] == kind)
+        if points:
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker, color=color, label=kind, markersize=8)
+            for x, y, name in points:
+                if kind == "QuantizedCache":
+                    axes.annotate(name.split(" (")[0].replace("QuantizedCache ", ""), (x, y),
+                                  textcoords="offset points", xytext=(6, 4), fontsize=8)
+    axes.set_yscale("log")
+    axes.set_xlabel("cache bytes / 16-bit K/V cache bytes")
+    axes.set_ylabel("perplexity / full-cache perplexity")
+    axes.set_title(title, fontsize=8, wrap=True)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def main(argv=None):
@@ -118,8 +153,11 @@ def main(argv=None):
     ppl.add_argument("--calib-rows", type=int, default=8, help="calibration rows of --length tokens")
     ppl.add_argument("--length", type=int, default=512)
     evaluate = commands.add_parser("eval", help="continuation-protocol perplexity: full cache, lrkv plans, QuantizedCache")
-    evaluate.add_argument("--plans", nargs="*", default=["k0.5:4,v1:4", "k0.5:4,v1:3", "k0.25:4,v1:2"],
-                          help="lrkv plans as k<keep>:<bits>,v<keep>:<bits>")
+    evaluate.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.25, 0.2, 0.14, 0.1],
+                          help="lrkv plans calibrated to these fractions of a 16-bit cache's bytes")
+    evaluate.add_argument("--method", default="search", help="allocation method for --budgets (search, uniform)")
+    evaluate.add_argument("--plans", nargs="*", default=[],
+                          help="also lrkv plans with one setting everywhere, as k<keep>:<bits>,v<keep>:<bits>")
     evaluate.add_argument("--group", type=int, default=32, help="latent channels per quantization scale")
     evaluate.add_argument("--quanto-bits", type=int, nargs="*", default=[4, 2])
     evaluate.add_argument("--quanto-group", type=int, default=64)
@@ -128,6 +166,8 @@ def main(argv=None):
     evaluate.add_argument("--length", type=int, default=512, help="tokens per row")
     evaluate.add_argument("--score", type=int, default=128, help="continuation tokens scored per row")
     evaluate.add_argument("--json", help="also write the figures to this JSON file")
+    evaluate.add_argument("--plot", help="also draw the bytes/perplexity frontier to this image file")
+    evaluate.add_argument("--save-plans", help="also save each plan into this folder")
     evaluate.set_defaults(run=cmd_eval)
     args = parser.parse_args(argv)
     args.run(args)

@@ -175,7 +175,9 @@ class RankPlan:
     @property
     def budget(self) -> float:
         """Cache bytes per token over those of a 16-bit full K/V cache: latents, scales and zero points, and
-        the RoPE cos/sin rows a LatentCache stores per slot (one pair per RoPE group)."""
+        the RoPE cos/sin rows a LatentCache stores per slot (one pair per RoPE group), counted at 16 bits as
+        a 16-bit model's cache stores them (a float32 model's cache holds them, and its 16-bit sides, in
+        float32: `LatentCache.nbytes()` shows it, and budget calibration on such a model reserves it)."""
         rope = {site.rope_group: 2 * 2 * site.head_dim for site in self.sites}
         stored = sum(site.bytes_per_token() for site in self.sites) + sum(rope.values())
         return stored / sum(2 * 2 * site.full_dim for site in self.sites)
@@ -247,8 +249,9 @@ class RankPlan:
             raise CorruptPlanError(f"{path}: plan metadata is invalid ({error}); re-create the plan") from error
 
     @classmethod
-    def uniform(cls, model, keep: float = 0.5, **options) -> "RankPlan":
-        """An uncalibrated plan (plain SVD of the weights): the same keep for every site. Options as `lrkv.calibrate`."""
+    def uniform(cls, model, keep: float | None = None, **options) -> "RankPlan":
+        """An uncalibrated plan (plain SVD of the weights): the same keep (default 0.5) for every site. Options as
+        `lrkv.calibrate`."""
         from .calibrate import build_plan
         return build_plan(model, batches=None, keep=keep, **options)
 

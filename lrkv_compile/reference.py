@@ -1,5 +1,6 @@
 """The eager low-rank reference: the model with each planned K/V projection replaced by its two factors."""
 import copy
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -13,11 +14,16 @@ from .plan import Layout, RankPlan
 
 class FactoredLinear(nn.Module):
     """y = q(x down) up + bias: a low-rank stand-in for an nn.Linear, q the layout's quantize-dequantize of
-    the latents (identity at 16 bits), so the numbers are those of a trip through a quantized cache."""
+    the latents (identity at 16 bits), so the numbers are those of a trip through a quantized cache.
+
+    Outside `stepwise` every token is quantized (a stock cache stores the quantized keys and values and
+    attends over them); inside it, `history` holds the quantized latents of the positions earlier steps wrote.
+    """
 
     def __init__(self, down: torch.Tensor, up: torch.Tensor, bias, layout: Layout):
         super().__init__()
         self.layout = layout
+        self.stepping, self.history = False, None
         self.down = nn.Linear(down.shape[0], down.shape[1], bias=False)
         self.up = nn.Linear(up.shape[0], up.shape[1], bias=bias is not None)
         with torch.no_grad():
@@ -27,7 +33,31 @@ class FactoredLinear(nn.Module):
                 self.up.bias.copy_(bias)
 
     def forward(self, x):
-        return self.up(fake_quantize(self.down(x), self.layout.bits, self.layout.group))
+        latent = self.down(x)
+        if not self.stepping:
+            return self.up(fake_quantize(latent, self.layout.bits, self.layout.group))
+        seen = 0 if self.history is None else self.history.shape[1]
+        new = fake_quantize(latent[:, seen:], self.layout.bits, self.layout.group)
+        stored = latent if self.history is None else torch.cat((self.history, latent[:, seen:]), dim=1)
+        self.history = new if self.history is None else torch.cat((self.history, new), dim=1)
+        return self.up(stored)
+
+
+@contextmanager
+def stepwise(reference):
+    """Within the block, each full forward of `reference` (from `low_rank_reference`) over the sequence so
+    far is one step of a LatentCache: positions seen by earlier forwards use the latents recorded at their
+    own step, quantized (as the cache stores them); the new positions use their exact latents (as the
+    cache's attention does for the current step) and are recorded. A position's output depends on earlier
+    positions only through their keys and values, so its logits are those of the cached run."""
+    modules = [m for m in reference.modules() if isinstance(m, FactoredLinear)]
+    for module in modules:
+        module.stepping, module.history = True, None
+    try:
+        yield reference
+    finally:
+        for module in modules:
+            module.stepping, module.history = False, None
 
 
 def low_rank_reference(model, plan: RankPlan):

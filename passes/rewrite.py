@@ -100,17 +100,18 @@ class _Rewriter:
         with self.graph.inserting_before(marker):
             down_k = self.constant(f"{name}_down_k", planned.down_k.T, weight)
             down_v = self.constant(f"{name}_down_v", planned.down_v.T, weight)
+            new = {"new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
+                   "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))}
             self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs={
-                **state, "new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
-                "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None)),
-                "cos": site.rope.cos if site.rope else None, "sin": site.rope.sin if site.rope else None})
+                **state, **new, "cos": site.rope.cos if site.rope else None,
+                "sin": site.rope.sin if site.rope else None})
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
         absorb = path.startswith("absorbed") and site.out_proj is not None
         if not absorb:
             path = "up after reduction"
         with self.graph.inserting_before(site.sdpa):
             attention = self.graph.call_function(torch.ops.lrkv.latent_attention.default, kwargs={
-                **state, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
+                **state, **new, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
                 "bias_k": site.key.bias, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
                 "bias_v": None if absorb else site.value.bias, "attn_mask": site.attn_mask,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,

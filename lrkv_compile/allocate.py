@@ -1,0 +1,133 @@
+"""Budget allocation: which rank and layout (bits, group) each site's K and V latents get, so that the
+cache takes at most a given fraction of a 16-bit cache's bytes and the model's loss grows the least.
+
+Every method scores the same candidates. A candidate (rank, bits, group) of one site's K or V is factored
+and rotated exactly as the plan will be, its latents quantized on calibration activations, and its cost
+is the second-order loss estimate E[dy^T F dy], with dy the error it leaves in the projection's output and
+F the Fisher matrix E[g g^T] of the loss gradient g at that output (Palu weighs rank by Fisher
+information; this measures each (rank, bits) pair directly). Methods choose among the scored candidates:
+
+- "search" (default): per site and side, K and V apart, the choice that minimises the summed loss under
+  the budget: a Lagrangian sweep over the candidates' (bytes, loss) frontier, then a greedy fill of the
+  bytes left over.
+- "uniform": the same rank, bits and group for every site (K and V apart), the best such pair under the
+  budget: the baseline the search is measured against.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lrkv_compile.lowering.quantize import fake_quantize
+from .errors import PlanError
+from .plan import Layout
+
+# quantized widths only: their bytes do not depend on the model's dtype (16-bit sides are stored in it)
+CANDIDATE_BITS = (2, 3, 4, 8)
+CANDIDATE_GROUPS = (32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to store one side of one site, with its measured cost."""
+    rank: int
+    layout: Layout
+    bytes: int      # per token, as Layout.bytes_per_token counts them
+    loss: float     # E[dy^T F dy] per token
+
+
+def candidate_ranks(full_dim: int, hidden_size: int, blocks: int) -> list[int]:
+    """About sixteen ranks from small to full, multiples of 8 and of the scheme's blocks."""
+    step = math.lcm(blocks, max(8, -(-full_dim // 16 // 8) * 8))
+    cap = min(full_dim, hidden_size)
+    ranks = list(range(step, cap + 1, step))
+    return ranks if ranks and ranks[-1] == cap or cap % blocks else ranks + [cap]
+
+
+def layouts_for(rank: int, rotation: str) -> list[Layout]:
+    """Each quantized width with each candidate group that divides the rank."""
+    groups = sorted({g for g in CANDIDATE_GROUPS if rank % g == 0 and g <= rank} | ({rank} if rank <= 256 else set()))
+    return [Layout(bits=bits, group=group, rotation=rotation) for bits in CANDIDATE_BITS for group in groups]
+
+
+@torch.no_grad()
+def score(factor, samples: torch.Tensor, outputs: torch.Tensor, fisher: torch.Tensor, ranks, rotation: str) -> list:
+    """Candidates of one side of one site. factor(rank, layout) -> (down, up) as the plan would store them;
+    samples [n, hidden] calibration inputs, outputs [n, out] = samples @ W^T, fisher [out, out] per token."""
+    candidates = []
+    for rank in ranks:
+        rotated = None
+        for layout in layouts_for(rank, rotation):
+            if rotated is None or layout.rotation != rotated[0]:
+                down, up = factor(rank, layout)
+                rotated = (layout.rotation, samples @ down, up)
+            _, latents, up = rotated
+            error = fake_quantize(latents, layout.bits, layout.group) @ up - outputs
+            loss = float(torch.einsum("nd,de,ne->", error, fisher, error)) / len(samples)
+            candidates.append(Candidate(rank, layout, layout.bytes_per_token(rank), loss))
+    return candidates
+
+
+def _frontier(candidates: list) -> list:
+    """Candidates no other one beats on both bytes and loss, cheapest first."""
+    frontier = []
+    for candidate in sorted(candidates, key=lambda c: (c.bytes, c.loss)):
+        if not frontier or candidate.loss < frontier[-1].loss:
+            frontier.append(candidate)
+    return frontier
+
+
+def search(options: dict, budget_bytes: float) -> dict:
+    """{key: Candidate} minimising the summed loss with summed bytes <= budget_bytes (options: {key: [Candidate]})."""
+    frontiers = {key: _frontier(found) for key, found in options.items()}
+
+    def pick(price):
+        return {key: min(front, key=lambda c: c.loss + price * c.bytes) for key, front in frontiers.items()}
+
+    def spent(choice):
+        return sum(c.bytes for c in choice.values())
+
+    low, high = 0.0, 1.0
+    while spent(pick(high)) > budget_bytes:  # a price high enough to fit (the cheapest set fits: checked)
+        high *= 4
+    for _ in range(64):
+        middle = (low + high) / 2
+        low, high = (middle, high) if spent(pick(middle)) > budget_bytes else (low, middle)
+    choice = pick(high)
+    while True:  # spend what is left on the upgrades that buy the most loss per byte
+        left = budget_bytes - spent(choice)
+        upgrades = [((current.loss - better.loss) / (better.bytes - current.bytes), key, better)
+                    for key, current in choice.items() for better in frontiers[key]
+                    if current.bytes < better.bytes <= current.bytes + left and better.loss < current.loss]
+        if not upgrades:
+            return choice
+        _, key, better = max(upgrades, key=lambda u: u[0])
+        choice[key] = better
+
+
+def uniform(options: dict, budget_bytes: float) -> dict:
+    """The same (rank, bits, group) for every site, K and V apart: the best pair that fits."""
+    def settings(side):
+        by_setting = {}
+        for (site, key_side), found in options.items():
+            if key_side == side:
+                for candidate in found:
+                    setting = (candidate.rank, candidate.layout)
+                    by_setting.setdefault(setting, {})[site] = candidate
+        sites = {site for site, key_side in options if key_side == side}
+        return [chosen for chosen in by_setting.values() if set(chosen) == sites]
+
+    best = None
+    for k_setting in settings("k"):
+        k_bytes, k_loss = sum(c.bytes for c in k_setting.values()), sum(c.loss for c in k_setting.values())
+        for v_setting in settings("v"):
+            total = k_bytes + sum(c.bytes for c in v_setting.values())
+            loss = k_loss + sum(c.loss for c in v_setting.values())
+            if total <= budget_bytes and (best is None or loss < best[0]):
+                best = (loss, k_setting, v_setting)
+    if best is None:
+        raise PlanError("no uniform setting fits the budget; use method='search', or a larger budget")
+    return {**{(site, "k"): c for site, c in best[1].items()}, **{(site, "v"): c for site, c in best[2].items()}}
+
+
+METHODS = {"search": search, "uniform": uniform}
