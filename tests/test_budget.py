@@ -35,21 +35,21 @@ def test_budget_is_reached_and_never_exceeded(calibrated, budget, method):
 
 
 def test_search_spends_bytes_where_the_loss_is():
-    """The search's estimated loss is at most the uniform setting's, at the same budget."""
+    """The search's estimated cost is at most the uniform setting's, at the same budget."""
     model = build_model(SPEC)
     stats = collect_stats(model, torch.randint(0, VOCAB, (4, 48)), progress=False, fisher=True)
     chosen = {}
     for method in ("search", "uniform"):
         plan = lrkv.calibrate(model, stats=stats, budget=0.25, method=method, progress=False)
         chosen[method] = plan
-    by_choice = {(c.rank, c.layout): c.loss for found in stats.scored.values() for c in found}
+    by_choice = {(c.rank, c.layout): c.cost for found in stats.scored.values() for c in found}
     losses = {}
     for method, plan in chosen.items():
         losses[method] = 0.0
         for site in plan.sites:
             for side in ("k", "v"):
                 key = (site.layer, side, 1, "hadamard")
-                found = {(c.rank, c.layout): c.loss for c in stats.scored[key]}
+                found = {(c.rank, c.layout): c.cost for c in stats.scored[key]}
                 losses[method] += found[getattr(site, f"rank_{side}"), getattr(site, f"{side}_layout")]
     assert by_choice and losses["search"] <= losses["uniform"]
 
@@ -108,13 +108,15 @@ def test_the_fisher_statistics_are_positive_semidefinite_and_full_rank_8_bits_is
     finest = min(c.loss for c in found if c.rank == 64 and c.layout.bits == 8)
     coarsest = max(c.loss for c in found)
     assert finest < 1e-3 * coarsest
+    assert max(c.truncation for c in found if c.rank == 64) < 1e-6 * coarsest  # full rank truncates nothing
+    assert min(c.truncation for c in found) > 1e-3 * coarsest
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.lists(st.lists(st.tuples(st.integers(1, 40), st.floats(0, 100)), min_size=1, max_size=6), min_size=1,
                 max_size=5), st.floats(0, 1))
 def test_search_never_exceeds_the_budget_and_leaves_no_affordable_upgrade(sides, fraction):
-    options = {key: [Candidate(1, lrkv.Layout(), size, loss) for size, loss in found]
+    options = {key: [Candidate(1, lrkv.Layout(), size, loss, loss / 3) for size, loss in found]
                for key, found in enumerate(sides)}
     cheapest = sum(min(c.bytes for c in found) for found in options.values())
     most = sum(max(c.bytes for c in found) for found in options.values())
@@ -124,7 +126,7 @@ def test_search_never_exceeds_the_budget_and_leaves_no_affordable_upgrade(sides,
     assert spent <= budget
     for key, current in choice.items():
         for better in _frontier(options[key]):
-            assert not (current.bytes < better.bytes <= current.bytes + budget - spent and better.loss < current.loss)
+            assert not (current.bytes < better.bytes <= current.bytes + budget - spent and better.cost < current.cost)
     setting_options = {(site, side): found for site in range(2) for side in "kv"
                        for found in [[Candidate(r, lrkv.Layout(), r, 1.0 / r) for r in (1, 2, 4)]]}
     assert sum(c.bytes for c in uniform(setting_options, 9).values()) <= 9

@@ -64,3 +64,25 @@ def test_compiled_and_reference_perplexity_agree(smollm2):
     eager = perplexity(lrkv.low_rank_reference(model, plan).forward, rows, progress=False)
     assert compiled == pytest.approx(eager, rel=1e-3)
     assert compiled > base  # a quarter of the cache must cost something on real text
+
+
+def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan(smollm2, tmp_path):
+    """`lrkv calibrate --model DIR --text FILE --budget` then `lrkv inspect --plot`, on a model saved to a
+    local folder (a small random Llama with SmolLM2's tokenizer) and a text file of real prose."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from lrkv_compile.cli import main
+    _, tokenizer, _ = smollm2
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "text.txt").write_text(python_docs_text()[0][:20000])
+    main(["calibrate", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--budget", "0.3",
+          "--rows", "2", "--length", "64", "-o", str(tmp_path / "plan.safetensors")])
+    plan = lrkv.RankPlan.load(tmp_path / "plan.safetensors")
+    assert plan.budget <= 0.3 and plan.calibration_tokens == 128 and len(plan.sites) == 4
+    main(["inspect", str(tmp_path / "plan.safetensors"), "--plot", str(tmp_path / "plan.png")])
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    with pytest.raises(FileNotFoundError, match="local files only"):
+        main(["calibrate", "--model", "HuggingFaceTB/SmolLM2-135M", "-o", str(tmp_path / "other.safetensors")])
