@@ -109,7 +109,8 @@ def test_the_fisher_statistics_are_positive_semidefinite_and_full_rank_8_bits_is
     coarsest = max(c.loss for c in found)
     assert finest < 1e-3 * coarsest
     assert max(c.truncation for c in found if c.rank == 64) < 1e-6 * coarsest  # full rank truncates nothing
-    assert min(c.truncation for c in found) > 1e-3 * coarsest
+    lowest = min(c.rank for c in found)
+    assert min(c.truncation for c in found if c.rank == lowest) > 1e-3 * coarsest  # a low rank does
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
