@@ -99,10 +99,12 @@ def _allowed(attn_mask, batch, tokens, slots, device):
     return allowed, additive
 
 
-def _with_this_step(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Latents read back from the cache, with the slots of this step's tokens replaced by their exact values."""
-    tokens = new.shape[1]
-    return torch.cat((cached[:, :cached.shape[1] - tokens], new.float()), dim=1)
+def _earlier_and_this_step(latent, scale, zero, bits, group, new, slots) -> torch.Tensor:
+    """float32 [batch, slots, rank]: the earlier steps' latents read back from the cache (dequantized), then
+    this step's exact latents `new` [batch, tokens, rank] (the cache's last `tokens` slots hold them too)."""
+    batch, tokens = new.shape[0], new.shape[1]
+    earlier = read_latents(latent, scale, zero, bits, group, batch, slots - tokens)
+    return torch.cat((earlier, new.float()), dim=1)
 
 
 def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v,
@@ -122,7 +124,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero
     batch, heads, tokens, head_dim = query.shape
     slots = int(length)
     group = heads // num_kv_heads
-    latents_k = _with_this_step(read_latents(latent_k, k_scale, k_zero, k_bits, k_group, batch, slots), new_k)
+    latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_bits, k_group, new_k, slots)
     keys = reconstruct_keys(latents_k.to(query.dtype), rope_cos, rope_sin, up_k, bias_k, num_kv_heads)
     q = query.view(batch, num_kv_heads, group, tokens, head_dim).float()
     scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * softmax_scale
@@ -134,7 +136,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
     probs = probs.view(batch, num_kv_heads, group, tokens, slots)
     # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
-    latent_values = _with_this_step(read_latents(latent_v, v_scale, v_zero, v_bits, v_group, batch, slots), new_v)
+    latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_bits, v_group, new_v, slots)
     latent_values = latent_values.to(query.dtype).float()
     context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
     if up_v is None:

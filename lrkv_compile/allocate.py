@@ -67,24 +67,18 @@ def layouts_for(rank: int, rotation: str) -> list[Layout]:
 def score(factor, samples: torch.Tensor, outputs: torch.Tensor, fisher: torch.Tensor, ranks, rotation: str) -> list:
     """Candidates of one side of one site. factor(rank, layout) -> (down, up) as the plan would store them;
     samples [n, hidden] calibration inputs, outputs [n, out] = samples @ W^T, fisher [out, out] per token."""
-    candidates, truncated = [], {}
+    def fisher_loss(error):
+        return float(torch.einsum("nd,de,ne->", error, fisher, error)) / len(samples)
 
-    def truncation(rank, error):
-        if rank not in truncated:
-            truncated[rank] = float(torch.einsum("nd,de,ne->", error, fisher, error)) / len(samples)
-        return truncated[rank]
-
+    candidates = []
     for rank in ranks:
-        rotated = None
-        for layout in layouts_for(rank, rotation):
-            if rotated is None or layout.rotation != rotated[0]:
-                down, up = factor(rank, layout)
-                rotated = (layout.rotation, samples @ down, up)
-            _, latents, up = rotated
-            error = fake_quantize(latents, layout.bits, layout.group) @ up - outputs
-            loss = float(torch.einsum("nd,de,ne->", error, fisher, error)) / len(samples)
-            candidates.append(Candidate(rank, layout, layout.bytes_per_token(rank), loss,
-                                        truncation(rank, latents @ up - outputs)))
+        layouts = layouts_for(rank, rotation)
+        down, up = factor(rank, layouts[0])  # one rotation for all of them: the factors depend on the rank only
+        latents = samples @ down
+        truncation = fisher_loss(latents @ up - outputs)
+        for layout in layouts:
+            loss = fisher_loss(fake_quantize(latents, layout.bits, layout.group) @ up - outputs)
+            candidates.append(Candidate(rank, layout, layout.bytes_per_token(rank), loss, truncation))
     return candidates
 
 

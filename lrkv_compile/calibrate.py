@@ -218,7 +218,7 @@ def _factor(weight, whitening, blocks, rank, layout, seed):
     return rotate(down, up, layout.rotation, blocks, seed=seed)
 
 
-def _budget_options(model, budget, method, options):
+def _budget_options(budget, method, options):
     """Validate the budget-mode arguments; the per-side layouts are the allocator's to choose."""
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
         raise PlanError(f"budget={budget!r} must be a number in (0, 1]: the fraction of a 16-bit K/V cache's bytes "
@@ -238,8 +238,8 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", sch
     """Plan every attention site of `model`; see `calibrate` for the arguments. With `batches` (or `stats`),
     factors are activation-aware (whitened SVD); without, plain SVD of the weights."""
     if budget is not None:
-        _budget_options(model, budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits,
-                                                    bits_k=bits_k, bits_v=bits_v, group=group))
+        _budget_options(budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits, bits_k=bits_k,
+                                             bits_v=bits_v, group=group))
         if method != "none" and batches is None and stats is None:
             raise PlanError(f"method={method!r} measures each choice on calibration text: pass batches, or use "
                             "method='none' for an uncalibrated full-rank quantized plan")
@@ -284,8 +284,7 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", sch
     if budget is not None:
         # a LatentCache stores one cos and one sin row per slot and RoPE group, in the model's dtype
         itemsize = next(model.parameters()).dtype.itemsize
-        rope_bytes = sum(2 * itemsize * next(s.head_dim for s in sites if s.rope_key == key)
-                         for key in rope_groups if key is not None)
+        rope_bytes = sum(2 * itemsize * next(s.head_dim for s in sites if s.rope_key == key) for key in rope_groups)
         full_bytes = sum(2 * 2 * site.num_kv_heads * site.head_dim for site in sites)
         choices = _allocate(sites, blocks, weights, whitening, stats, budget * full_bytes - rope_bytes, rope_bytes,
                             full_bytes, method, rotation or "hadamard", progress)
@@ -360,8 +359,8 @@ def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, rope_bytes
 
     if method == "none":
         return _full_rank(sites, latent_bytes, rope_bytes, full_bytes, rotation)
-    cheapest = sum(Layout(bits=2, group=ranks(site, side)[0]).bytes_per_token(ranks(site, side)[0])
-                   for site, side in keys)
+    lowest = {(site.index, side): ranks(site, side)[0] for site, side in keys}
+    cheapest = sum(Layout(bits=2, group=rank).bytes_per_token(rank) for rank in lowest.values())
     if cheapest > latent_bytes:
         raise PlanError(f"budget={(latent_bytes + rope_bytes) / full_bytes:.4g} is below the smallest this model can "
                         f"reach, {(cheapest + rope_bytes) / full_bytes:.4f} (every site at its lowest rank and 2 bits, "
