@@ -2,8 +2,10 @@
 and called by keyword everywhere), a fake (shape) implementation for tracing, and an implementation;
 today every implementation is the PyTorch reference in `lowering.reference` (Triton kernels come later).
 
-Each side's cache state is three tensors: latents (model dtype, or packed uint8 codes), fp16 scale and
-fp16 zero point (empty for 16-bit sides); `lowering/quantize.py` documents the layout.
+Each side's cache state is four tensors: latents (model dtype, or packed uint8 codes), fp16 scale and
+fp16 zero point (empty for 16-bit sides), and `exact` (the sink and recent-window tokens' latents in 16
+bits; empty when the layout keeps none). One `positions` buffer (int32 [max_batch, slots]) holds every
+slot's RoPE position. `lowering/quantize.py` documents the byte layout.
 """
 from typing import Optional
 
@@ -16,8 +18,8 @@ from . import quantize, reference
 
 @torch.library.custom_op("lrkv::cache_marker", mutates_args=())
 def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor,
-                 latent_v: Tensor, v_scale: Tensor, v_zero: Tensor, rope_cos: Tensor, rope_sin: Tensor,
-                 length: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+                 k_exact: Tensor, latent_v: Tensor, v_scale: Tensor, v_zero: Tensor, v_exact: Tensor,
+                 positions: Tensor, length: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
     """Stands where a cache update returns full keys/values; the lrkv backend replaces it by latent ops."""
     raise UnrewrittenSiteError(
         f"layer {layer_idx}: a LatentCache holds latents, not keys and values, so the attention site must be "
@@ -28,44 +30,46 @@ def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_s
 
 
 @cache_marker.register_fake
-def _(key_states, value_states, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, length,
-      layer_idx):
+def _(key_states, value_states, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
+      length, layer_idx):
     batch, kv_heads, _, head_dim = key_states.shape
     slots = latent_k.shape[1]
     return (key_states.new_empty(batch, kv_heads, slots, head_dim),
             value_states.new_empty(batch, value_states.shape[1], slots, value_states.shape[-1]))
 
 
-@torch.library.custom_op("lrkv::latent_write",
-                         mutates_args=("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero", "rope_cos",
-                                       "rope_sin"))
-def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, latent_v: Tensor, v_scale: Tensor,
-                 v_zero: Tensor, rope_cos: Tensor, rope_sin: Tensor, new_k: Tensor, new_v: Tensor,
-                 cos: Optional[Tensor], sin: Optional[Tensor], length: Tensor, k_bits: int, k_group: int,
-                 v_bits: int, v_group: int) -> None:
-    """Store this step's K/V latents (quantized per the layout) and their RoPE rows in the cache, in place."""
+@torch.library.custom_op("lrkv::latent_write", mutates_args=("latent_k", "k_scale", "k_zero", "k_exact", "latent_v",
+                                                             "v_scale", "v_zero", "v_exact", "positions"))
+def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Tensor, latent_v: Tensor,
+                 v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor, new_k: Tensor, new_v: Tensor,
+                 new_positions: Optional[Tensor], length: Tensor, k_bits: int, k_group: int, k_sinks: int,
+                 v_bits: int, v_group: int, v_sinks: int) -> None:
+    """Store this step's K/V latents (quantized per the layout, exact copies of sinks and window) and their
+    positions in the cache, in place."""
     reference.latent_write(**locals())  # the op's own arguments, by name
 
 
 @latent_write.register_fake
-def _(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v, cos, sin, length,
-      k_bits, k_group, v_bits, v_group):
+def _(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, new_positions,
+      length, k_bits, k_group, k_sinks, v_bits, v_group, v_sinks):
     return None
 
 
 @torch.library.custom_op("lrkv::latent_attention", mutates_args=())
-def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, latent_v: Tensor,
-                     v_scale: Tensor, v_zero: Tensor, rope_cos: Tensor, rope_sin: Tensor, new_k: Tensor,
-                     new_v: Tensor, up_k: Tensor, bias_k: Optional[Tensor], up_v: Optional[Tensor],
-                     bias_v: Optional[Tensor], length: Tensor, attn_mask: Optional[Tensor], softmax_scale: float,
-                     num_kv_heads: int, k_bits: int, k_group: int, v_bits: int, v_group: int) -> Tensor:
+def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Tensor,
+                     latent_v: Tensor, v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor,
+                     new_k: Tensor, new_v: Tensor, up_k: Tensor, bias_k: Optional[Tensor], up_v: Optional[Tensor],
+                     bias_v: Optional[Tensor], inv_freq: Optional[Tensor], rope_scale: float, length: Tensor,
+                     attn_mask: Optional[Tensor], softmax_scale: float, num_kv_heads: int, k_bits: int,
+                     k_group: int, k_sinks: int, v_bits: int, v_group: int, v_sinks: int) -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract."""
     return reference.latent_attention(**locals())  # the op's own arguments, by name
 
 
 @latent_attention.register_fake
-def _(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v, up_k, bias_k,
-      up_v, bias_v, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, v_bits, v_group):
+def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
+      bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
+      k_sinks, v_bits, v_group, v_sinks):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])

@@ -8,11 +8,21 @@ and cache slot s:
 - scale, zero  float16 [max_batch, slots, rank / group]: asymmetric min/max quantization over each group
   of `group` consecutive latent channels of one slot (a per-token scale axis): value = code * scale + zero,
   code = round((value - zero) / scale) clamped to [0, 2^bits - 1], zero = the group's minimum.
-16-bit sides are not quantized: latents are stored in the model's dtype and scale/zero are empty.
+- exact  16-bit [max_batch, sinks + window, rank] (`exact_dtype`): the latents of the first `sinks` slots,
+  then a ring of the most recent `window` slots, slot s at entry sinks + s % window. Every slot also has its
+  quantized codes; a reader takes the exact copy where one is held. Empty when the layout keeps none.
+16-bit sides are not quantized: latents are stored in the model's dtype; scale, zero and exact are empty.
+Beside the sides, the cache holds one int32 [max_batch, slots] buffer of each slot's position, from which
+RoPE is computed when keys are rebuilt (no per-slot cos/sin rows are stored).
 """
 import torch
 
 QUANTIZED_BITS = (8, 4, 3, 2)
+
+
+def exact_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit dtype exact (sink and window) latents are held in: the model's when it is 16-bit, else float16."""
+    return model_dtype if model_dtype.itemsize == 2 else torch.float16
 
 
 def packed_width(rank: int, bits: int) -> int:

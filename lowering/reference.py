@@ -14,13 +14,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_rows(table_input: torch.Tensor, batch: int, tokens: int, head_dim: int) -> torch.Tensor:
-    """Bring the cos/sin operand of a RoPE site ([batch|1, 1, tokens, head_dim]) to [batch, tokens, head_dim]."""
-    return torch.broadcast_to(table_input, (batch, 1, tokens, head_dim))[:, 0]
-
-
-def _store(latent, scale, zero, new, bits, group, batch, start):
-    """Write new [batch, tokens, rank] latents at slots [start, start + tokens), quantized if bits < 16."""
+def _store(latent, scale, zero, exact, new, bits, group, sinks, batch, start):
+    """Write new [batch, tokens, rank] latents at slots [start, start + tokens): quantized if bits < 16, and
+    exact copies of the sink slots (< sinks) and of the last `window` slots (ring entry sinks + slot % window)."""
     tokens = new.shape[1]
     if bits == 16:
         latent[:batch, start:start + tokens] = new.to(latent.dtype)
@@ -29,22 +25,40 @@ def _store(latent, scale, zero, new, bits, group, batch, start):
     latent[:batch, start:start + tokens] = codes
     scale[:batch, start:start + tokens] = new_scale
     zero[:batch, start:start + tokens] = new_zero
+    if exact.numel():
+        window = exact.shape[1] - sinks
+        slots = torch.arange(start, start + tokens, device=new.device)
+        sink = slots < sinks
+        exact[:batch, slots[sink]] = new[:, sink].to(exact.dtype)
+        if window:
+            recent = slots[-window:]
+            exact[:batch, sinks + recent % window] = new[:, -len(recent):].to(exact.dtype)
 
 
-def read_latents(latent, scale, zero, bits, group, batch, slots) -> torch.Tensor:
-    """The first `slots` latents of the first `batch` rows as float32 [batch, slots, rank], dequantized."""
+def read_latents(latent, scale, zero, exact, bits, group, sinks, batch, slots, written) -> torch.Tensor:
+    """The first `slots` latents of the first `batch` rows as float32 [batch, slots, rank], dequantized, with the
+    exact copies where the cache holds them: sinks, and the window's ring as it stands after `written` slots."""
     if bits == 16:
         return latent[:batch, :slots].float()
-    return quantize.dequantize(latent[:batch, :slots], scale[:batch, :slots], zero[:batch, :slots], bits, group)
+    values = quantize.dequantize(latent[:batch, :slots], scale[:batch, :slots], zero[:batch, :slots], bits, group)
+    if exact.numel():
+        window = exact.shape[1] - sinks
+        count = min(sinks, slots)
+        values[:, :count] = exact[:batch, :count].float()
+        if window:
+            recent = torch.arange(min(max(0, written - window), slots), slots, device=values.device)
+            values[:, recent] = exact[:batch, sinks + recent % window].float()
+    return values
 
 
-def latent_write(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v, cos, sin,
-                 length, k_bits, k_group, v_bits, v_group) -> None:
-    """Write this step's latents (quantized per side's bits and group) and the RoPE rows of their positions
-    at slots [length, length + tokens).
+def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v,
+                 new_positions, length, k_bits, k_group, k_sinks, v_bits, v_group, v_sinks) -> None:
+    """Write this step's latents (quantized per side's layout, with exact sink and window copies) and their
+    positions at slots [length, length + tokens).
 
-    latent_k: [max_batch, slots, rank_k] (or packed codes); new_k: [batch, tokens, rank_k]; length: scalar
-    tensor, slots already written before this step.
+    latent_k: [max_batch, slots, rank_k] (or packed codes); new_k: [batch, tokens, rank_k]; new_positions:
+    [batch|1, tokens] integer positions (None for a model without RoPE); length: scalar tensor, slots
+    already written before this step.
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
     start = int(length)
@@ -59,28 +73,33 @@ def latent_write(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos,
             f"batch of {batch} sequences but this LatentCache holds max_batch_size={latent_k.shape[0]}; "
             "create it with a larger max_batch_size"
         )
-    _store(latent_k, k_scale, k_zero, new_k, k_bits, k_group, batch, start)
-    _store(latent_v, v_scale, v_zero, new_v, v_bits, v_group, batch, start)
-    if cos is not None and rope_cos.numel():
-        head_dim = rope_cos.shape[-1]
-        rope_cos[:batch, start:start + tokens] = _rope_rows(cos, batch, tokens, head_dim).to(rope_cos.dtype)
-        rope_sin[:batch, start:start + tokens] = _rope_rows(sin, batch, tokens, head_dim).to(rope_sin.dtype)
+    _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, batch, start)
+    _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, batch, start)
+    if new_positions is not None:
+        positions[:batch, start:start + tokens] = torch.broadcast_to(new_positions, (batch, tokens)).to(positions.dtype)
 
 
-def reconstruct_keys(latent_k, rope_cos, rope_sin, up_k, bias_k, num_kv_heads):
+def rope_tables(positions, inv_freq, rope_scale, dtype):
+    """cos and sin [..., head_dim] of integer `positions` [...], as transformers' rotary embeddings compute them:
+    in float32, angles position * inv_freq repeated over both halves, times the attention scaling, then cast."""
+    angles = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat((angles, angles), dim=-1)
+    return (emb.cos() * rope_scale).to(dtype), (emb.sin() * rope_scale).to(dtype)
+
+
+def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads):
     """Keys of the first slots, rebuilt from their (dequantized) latents: RoPE(c_k B_k + b_k) at each slot's
     own position.
 
-    latent_k: [batch, slots, rank_k] -> [batch, kv_heads, slots, head_dim]
+    latent_k: [batch, slots, rank_k], positions: [batch, slots] -> [batch, kv_heads, slots, head_dim]
     """
     batch, slots, _ = latent_k.shape
     keys = latent_k @ up_k.to(latent_k.dtype)
     if bias_k is not None:
         keys = keys + bias_k.to(keys.dtype)
     keys = keys.view(batch, slots, num_kv_heads, -1).transpose(1, 2)
-    if rope_cos.numel():
-        cos = rope_cos[:batch, :slots].unsqueeze(1).to(keys.dtype)
-        sin = rope_sin[:batch, :slots].unsqueeze(1).to(keys.dtype)
+    if inv_freq is not None:
+        cos, sin = rope_tables(positions[:, None], inv_freq, rope_scale, keys.dtype)
         keys = keys * cos + rotate_half(keys) * sin
     return keys
 
@@ -99,33 +118,37 @@ def _allowed(attn_mask, batch, tokens, slots, device):
     return allowed, additive
 
 
-def _earlier_and_this_step(latent, scale, zero, bits, group, new, slots) -> torch.Tensor:
-    """float32 [batch, slots, rank]: the earlier steps' latents read back from the cache (dequantized), then
-    this step's exact latents `new` [batch, tokens, rank] (the cache's last `tokens` slots hold them too)."""
+def _earlier_and_this_step(latent, scale, zero, exact, bits, group, sinks, new, slots) -> torch.Tensor:
+    """float32 [batch, slots, rank]: the earlier steps' latents read back from the cache (dequantized, or exact
+    where it holds them), then this step's exact latents `new` [batch, tokens, rank] (the cache's last `tokens`
+    slots hold them too)."""
     batch, tokens = new.shape[0], new.shape[1]
-    earlier = read_latents(latent, scale, zero, bits, group, batch, slots - tokens)
+    earlier = read_latents(latent, scale, zero, exact, bits, group, sinks, batch, slots - tokens, slots)
     return torch.cat((earlier, new.float()), dim=1)
 
 
-def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, rope_cos, rope_sin, new_k, new_v,
-                     up_k, bias_k, up_v, bias_v, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
-                     v_bits, v_group):
-    """Attention of `query` over the latent cache, with keys rebuilt from latents and values kept latent
+def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k,
+                     new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
+                     num_kv_heads, k_bits, k_group, k_sinks, v_bits, v_group, v_sinks):
+    """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
     query: [batch, heads, tokens, head_dim] (RoPE already applied); length: slots valid after this step.
     new_k, new_v: this step's latents [batch, tokens, rank], just written to the cache's last `tokens` slots.
-    Tokens of earlier steps are read back from the cache (dequantized); this step's tokens attend to each
-    other with their exact latents, as transformers' QuantizedCache and KIVI do with their unquantized
-    residual: quantization costs only what is stored.
+    Tokens of earlier steps are read back from the cache (dequantized, except the sinks and the recent window,
+    which it also holds exact); this step's tokens attend to each other with their exact latents, as
+    transformers' QuantizedCache and KIVI do with their unquantized residual: quantization costs only what is
+    stored. Keys get RoPE at their stored positions (inv_freq [head_dim / 2] and rope_scale as the model's
+    rotary embedding; inv_freq None: no RoPE).
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
     """
     batch, heads, tokens, head_dim = query.shape
     slots = int(length)
     group = heads // num_kv_heads
-    latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_bits, k_group, new_k, slots)
-    keys = reconstruct_keys(latents_k.to(query.dtype), rope_cos, rope_sin, up_k, bias_k, num_kv_heads)
+    latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, new_k, slots)
+    keys = reconstruct_keys(latents_k.to(query.dtype), positions[:batch, :slots], inv_freq, rope_scale, up_k, bias_k,
+                            num_kv_heads)
     q = query.view(batch, num_kv_heads, group, tokens, head_dim).float()
     scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * softmax_scale
     scores = scores.reshape(batch, heads, tokens, slots)
@@ -136,7 +159,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, latent_v, v_scale, v_zero
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
     probs = probs.view(batch, num_kv_heads, group, tokens, slots)
     # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
-    latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_bits, v_group, new_v, slots)
+    latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, new_v, slots)
     latent_values = latent_values.to(query.dtype).float()
     context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
     if up_v is None:

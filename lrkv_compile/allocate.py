@@ -13,9 +13,14 @@ TRUNCATION_WEIGHT. Methods choose among the scored candidates:
   bytes left over.
 - "uniform": the same rank, bits and group for every site (K and V apart), the best such pair under the
   budget: the baseline the search is measured against.
+- "fisher" (Palu's automatic rank allocation): each side's rank in proportion to its share of the Fisher
+  information of the projection weights, one bit width everywhere (the best that fits).
+- "learned" (STAR-KV): each side's rank from a soft threshold on its singular values trained by
+  distillation (`lrkv_compile.learned`) at the total rank the search spends; bits and groups searched
+  under the budget at those ranks.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,7 +44,7 @@ class Candidate:
     """One way to store one side of one site, with its measured cost."""
     rank: int
     layout: Layout
-    bytes: int      # per token, as Layout.bytes_per_token counts them
+    bytes: float    # per token, as Layout.bytes_per_token counts them
     loss: float     # E[dy^T F dy] per token
     truncation: float = 0.0  # the part of it the rank alone leaves (16-bit latents of this rank)
 
@@ -47,6 +52,13 @@ class Candidate:
     def cost(self) -> float:
         """What the methods minimise: the loss estimate with its truncation part weighted up (see TRUNCATION_WEIGHT)."""
         return self.loss + (TRUNCATION_WEIGHT - 1) * self.truncation
+
+
+def with_exact(candidate: Candidate, sinks: int, window: int, context: int) -> Candidate:
+    """The candidate with `sinks` and `window` exact tokens, its bytes counted at `context` tokens (its loss
+    estimate is the fully quantized one: exact tokens only lower it)."""
+    layout = replace(candidate.layout, sinks=sinks, window=window)
+    return replace(candidate, layout=layout, bytes=layout.bytes_per_token(candidate.rank, context))
 
 
 def candidate_ranks(full_dim: int, hidden_size: int, blocks: int) -> list[int]:
@@ -144,4 +156,50 @@ def uniform(options: dict, budget_bytes: float) -> dict:
     return {**{(site, "k"): c for site, c in best[1].items()}, **{(site, "v"): c for site, c in best[2].items()}}
 
 
-METHODS = {"search": search, "uniform": uniform}
+def fisher(options: dict, budget_bytes: float, importance: dict) -> dict:
+    """Palu: ranks in proportion to each side's share of the total Fisher information `importance[key]`, rounded
+    down to a candidate rank, with one bit width for every side (each side's best group for its rank); of the
+    bit widths whose allocation fits, the one with the lowest summed cost."""
+    total = sum(importance[key] for key in options)
+    best = None
+    for bits in CANDIDATE_BITS:
+        by_rank = {}
+        for key, found in options.items():
+            for candidate in found:
+                if candidate.layout.bits == bits:
+                    held = by_rank.setdefault(key, {}).get(candidate.rank)
+                    if held is None or candidate.cost < held.cost:
+                        by_rank[key][candidate.rank] = candidate
+
+        def pick(rank_sum, by_rank=by_rank):
+            choice = {}
+            for key, ranks in by_rank.items():
+                target = rank_sum * importance[key] / total
+                choice[key] = ranks[max((r for r in ranks if r <= target), default=min(ranks))]
+            return choice
+
+        if set(by_rank) != set(options) or sum(c.bytes for c in pick(0).values()) > budget_bytes:
+            continue
+        low, high = 0.0, sum(max(ranks) for ranks in by_rank.values()) * total / max(min(importance.values()), 1e-30)
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if sum(c.bytes for c in pick(middle).values()) <= budget_bytes else (low, middle)
+        choice = pick(low)
+        cost = sum(c.cost for c in choice.values())
+        if best is None or cost < best[0]:
+            best = (cost, choice)
+    if best is None:
+        raise PlanError("no bit width fits the budget with Fisher-proportional ranks; use method='search', or a "
+                        "larger budget")
+    return best[1]
+
+
+def learned(options: dict, budget_bytes: float, ranks: dict) -> dict:
+    """Each side at its learned rank `ranks[key]`, bits and groups chosen by `search` under the budget."""
+    restricted = {key: [c for c in found if c.rank == ranks[key]] for key, found in options.items()}
+    if sum(min(c.bytes for c in found) for found in restricted.values()) > budget_bytes:
+        raise PlanError("the learned ranks do not fit the budget at 2 bits; use method='search', or a larger budget")
+    return search(restricted, budget_bytes)
+
+
+METHODS = {"search": search, "uniform": uniform, "fisher": fisher, "learned": learned}

@@ -1,5 +1,5 @@
-"""LatentCache: a transformers Cache that holds only K/V latents, quantized or not (and the RoPE rows of
-their positions).
+"""LatentCache: a transformers Cache that holds only K/V latents, quantized or not (and the positions of
+their tokens).
 
 Under the lrkv backend each attention site writes [batch, tokens, rank] latents into preallocated
 buffers and attends over them directly; no full-size key or value tensor is ever stored. Its
@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lrkv_compile.lowering import ops
+from lrkv_compile.lowering.quantize import exact_dtype
 from .errors import LrkvWarning, PlanMismatchError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
@@ -18,26 +19,26 @@ from .plan import RankPlan
 
 class LatentLayer(CacheLayerMixin):
     """One layer's latent buffers, per side (K, V): the latents (model dtype, or packed uint8 codes when
-    quantized) with their fp16 scale and zero point (empty when not quantized); see
-    `lowering/quantize.py` for the layout. `keys`/`values` alias the latent buffers so transformers'
-    generic reset/reorder code works on them."""
+    quantized) with their fp16 scale and zero point and the exact sink and window tokens (empty when not
+    quantized), and the positions buffer all layers share; see `lowering/quantize.py` for the layout.
+    `keys`/`values` alias the latent buffers so transformers' generic reset/reorder code works on them."""
 
     is_compileable = True
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, k_buffers, v_buffers, rope_cos, rope_sin, layer_idx):
+    def __init__(self, k_buffers, v_buffers, positions, layer_idx):
         super().__init__()
-        self.keys, self.k_scale, self.k_zero = k_buffers       # [max_batch, max_cache_len, rank | width]
-        self.values, self.v_scale, self.v_zero = v_buffers
-        self.rope_cos, self.rope_sin = rope_cos, rope_sin    # shared by the layers of one RoPE group
+        self.keys, self.k_scale, self.k_zero, self.k_exact = k_buffers  # [max_batch, max_cache_len, rank | width]
+        self.values, self.v_scale, self.v_zero, self.v_exact = v_buffers
+        self.positions = positions  # int32 [max_batch, max_cache_len], shared by all layers
         self.max_cache_len = self.keys.shape[1]
         self.batch_size = self.keys.shape[0]
         self.layer_idx = layer_idx
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self.is_initialized = True
 
-    _TENSORS = ("keys", "k_scale", "k_zero", "values", "v_scale", "v_zero")
+    _TENSORS = ("keys", "k_scale", "k_zero", "k_exact", "values", "v_scale", "v_zero", "v_exact")
 
     def tensors(self) -> list:
         return [getattr(self, name) for name in self._TENSORS]
@@ -53,7 +54,8 @@ class LatentLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         super().reset()
-        for tensor in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
+        for tensor in (self.k_scale, self.k_zero, self.k_exact, self.v_scale, self.v_zero, self.v_exact,
+                       self.positions):
             tensor.zero_()
 
     def lazy_initialization(self, key_states, value_states):
@@ -62,8 +64,8 @@ class LatentLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         keys, values = ops.cache_marker(
             key_states=key_states, value_states=value_states, latent_k=self.keys, k_scale=self.k_scale,
-            k_zero=self.k_zero, latent_v=self.values, v_scale=self.v_scale, v_zero=self.v_zero,
-            rope_cos=self.rope_cos, rope_sin=self.rope_sin, length=self.cumulative_length, layer_idx=self.layer_idx)
+            k_zero=self.k_zero, k_exact=self.k_exact, latent_v=self.values, v_scale=self.v_scale, v_zero=self.v_zero,
+            v_exact=self.v_exact, positions=self.positions, length=self.cumulative_length, layer_idx=self.layer_idx)
         self.cumulative_length.add_(key_states.shape[-2])
         return keys, values
 
@@ -82,7 +84,8 @@ class LatentCache(Cache):
 
     nbytes() is what the buffers occupy: per layer and side max_batch_size x max_cache_len x the side's
     bytes per token (rank values of the model's dtype, or packed codes plus fp16 scales and zero points),
-    plus one [max_batch_size, max_cache_len, head_dim] cos and sin table per RoPE group.
+    the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence.
+    At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is plan.budget.
     """
 
     def __init__(self, model, plan: RankPlan, max_batch_size: int = 1, max_cache_len: int = 2048,
@@ -101,42 +104,58 @@ class LatentCache(Cache):
         reference = model.get_parameter(plan.sites[0].k_weight)
         dtype = dtype or reference.dtype
         device = device or reference.device
-        tables = {}
-        for site in plan.sites:
-            if site.rope_group not in tables:
-                shape = (max_batch_size, max_cache_len, site.head_dim)
-                tables[site.rope_group] = (torch.zeros(shape, dtype=dtype, device=device),
-                                           torch.zeros(shape, dtype=dtype, device=device))
+        positions = torch.zeros(max_batch_size, max_cache_len, dtype=torch.int32, device=device)
+
         def buffers(rank, layout):
             latents, groups = layout.stored_widths(rank)
-            scale_shape = (max_batch_size, max_cache_len, groups) if groups else (0,)  # 16-bit sides: empty
+            quantized = layout.bits != 16
+            empty = torch.zeros(0, dtype=torch.float16, device=device)
             return (torch.zeros(max_batch_size, max_cache_len, latents, device=device,
-                                dtype=dtype if layout.bits == 16 else torch.uint8),
-                    torch.zeros(scale_shape, dtype=torch.float16, device=device),
-                    torch.zeros(scale_shape, dtype=torch.float16, device=device))
+                                dtype=torch.uint8 if quantized else dtype),
+                    torch.zeros(max_batch_size, max_cache_len, groups, dtype=torch.float16, device=device)
+                    if quantized else empty,
+                    torch.zeros(max_batch_size, max_cache_len, groups, dtype=torch.float16, device=device)
+                    if quantized else empty,
+                    torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
+                    if quantized and layout.exact_slots else empty)
 
-        layers = [LatentLayer(buffers(site.rank_k, site.k_layout), buffers(site.rank_v, site.v_layout),
-                              *tables[site.rope_group], site.layer) for site in plan.sites]
+        layers = [LatentLayer(buffers(site.rank_k, site.k_layout), buffers(site.rank_v, site.v_layout), positions,
+                              site.layer) for site in plan.sites]
         super().__init__(layers=layers)
-        self.plan, self.dtype = plan, dtype
-        self.rope_tables = list(tables.values())
-        self.max_batch_size, self.max_cache_len = max_batch_size, max_cache_len
+        self.plan, self.dtype, self.positions = plan, dtype, positions
+        self._capacity = (max_batch_size, max_cache_len)
         ratio = self.nbytes() / self.full_cache_nbytes()
         if ratio >= 1:
             warnings.warn(f"lrkv: this LatentCache takes {ratio:.2f}x the bytes of a full cache of the same capacity "
-                          f"(plan keep={plan.keep:.2f}, plus one RoPE cos/sin row per slot of head_dim="
-                          f"{plan.sites[0].head_dim}): it saves no memory; use a plan with a smaller keep",
+                          f"(plan keep={plan.keep:.2f}): it saves no memory; use a plan with a smaller keep or budget",
                           LrkvWarning, stacklevel=2)
+
+    # transformers 5.x up to 5.17 defines these two on Cache as read-only (deprecated) properties
+    @property
+    def max_batch_size(self) -> int:
+        return self._capacity[0]
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._capacity[1]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: every layer's buffers, then the positions all layers share (once)."""
+        super().reorder_cache(beam_idx)
+        if self.get_seq_length() > 0:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+            for layer in self.layers:
+                layer.positions = self.positions
 
     def nbytes(self) -> int:
         """Bytes held by the cache's buffers (its capacity)."""
-        tensors = [t for layer in self.layers for t in layer.tensors()]
-        tensors += [t for pair in self.rope_tables for t in pair]
+        tensors = [t for layer in self.layers for t in layer.tensors()] + [self.positions]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def full_cache_nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes a full (uncompressed) K/V cache of the same capacity would hold, in `dtype` (default: the
-        cache's dtype). nbytes() / full_cache_nbytes(torch.float16) is the plan's budget."""
+        cache's dtype). At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is the
+        plan's budget."""
         element = (dtype or self.dtype).itemsize
         per_token = sum(2 * site.num_kv_heads * site.head_dim for site in self.plan.sites)
         return self.max_batch_size * self.max_cache_len * per_token * element

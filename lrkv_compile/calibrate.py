@@ -6,21 +6,26 @@ Every input is validated before the model is traced or run; the model is traced 
 import math
 import numbers
 import warnings
+from functools import partial
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES, blocks_for, factorize, rotate, whitening_factor
 from lrkv_compile.passes.sites import find_sites
-from .allocate import CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, candidate_ranks, score
+from .allocate import CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, candidate_ranks, score, search, with_exact
 from .errors import LrkvWarning, PlanError
-from .plan import Layout, RankPlan, SitePlan, check_keep, rank_for, weight_fingerprint
+from .learned import learn_ranks
+from .plan import (DEFAULT_CONTEXT, POSITION_BYTES, Layout, RankPlan, SitePlan, check_context, check_keep, rank_for,
+                   weight_fingerprint)
 from .trace import capture
 
 HYBRID = {"hybrid": ("head", "joint")}  # STAR-KV: head-wise keys, joint values
 DEFAULT_GROUP_SIZE = 4  # Palu's default group of heads for G-LRD
+DEFAULT_SINKS = 4    # quantized sides keep the first tokens exact (StreamingLLM's four attention sinks)
+DEFAULT_WINDOW = 32  # and the most recent ones (KIVI keeps a residual of 32 to 128)
 
 
 def as_batches(batches) -> list[torch.Tensor]:
@@ -200,13 +205,24 @@ def _blocks(sites, k_scheme, v_scheme, group_size) -> dict:
     return blocks
 
 
-def _layouts(bits, bits_k, bits_v, group, rotation) -> dict:
-    """{"k": Layout, "v": Layout}: bits_k / bits_v override bits; quantized sides default to a Hadamard rotation."""
+def _exact(sinks, window) -> tuple[int, int]:
+    """(sinks, window) with the defaults filled in, or a PlanError naming the user's value."""
+    values = (DEFAULT_SINKS if sinks is None else sinks, DEFAULT_WINDOW if window is None else window)
+    for name, value in zip(("sinks", "window"), values):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"{name}={value!r} must be an integer >= 0 (tokens kept exact beside the quantized ones)")
+    return values
+
+
+def _layouts(bits, bits_k, bits_v, group, rotation, sinks, window) -> dict:
+    """{"k": Layout, "v": Layout}: bits_k / bits_v override bits; quantized sides default to a Hadamard rotation
+    and keep the sinks and window exact (16-bit sides hold every token exact)."""
     layouts = {}
     for side, side_bits in (("k", bits if bits_k is None else bits_k), ("v", bits if bits_v is None else bits_v)):
+        exact = {} if side_bits == 16 else {"sinks": sinks, "window": window}
         try:
             layouts[side] = Layout(bits=side_bits, group=group,
-                                   rotation=rotation or ("none" if side_bits == 16 else "hadamard"))
+                                   rotation=rotation or ("none" if side_bits == 16 else "hadamard"), **exact)
         except PlanError as error:
             raise PlanError(f"{side.upper()} latents: {error}") from None
     return layouts
@@ -232,23 +248,29 @@ def _budget_options(budget, method, options):
                         "ranks, bits and groups per site; pass either budget= or keep= (and bits=)")
 
 
-def build_plan(model, batches=None, keep=None, budget=None, method="search", scheme="joint", k_scheme=None,
-               v_scheme=None, group_size=None, keep_k=None, keep_v=None, bits=None, bits_k=None, bits_v=None,
-               group=None, rotation=None, progress=True, stats=None) -> RankPlan:
+def build_plan(model, batches=None, keep=None, budget=None, method="search", context=DEFAULT_CONTEXT, scheme="joint",
+               k_scheme=None, v_scheme=None, group_size=None, keep_k=None, keep_v=None, bits=None, bits_k=None,
+               bits_v=None, group=None, rotation=None, sinks=None, window=None, progress=True, stats=None) -> RankPlan:
     """Plan every attention site of `model`; see `calibrate` for the arguments. With `batches` (or `stats`),
     factors are activation-aware (whitened SVD); without, plain SVD of the weights."""
+    check_context(context)
+    sinks, window = _exact(sinks, window)
     if budget is not None:
         _budget_options(budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits, bits_k=bits_k,
                                              bits_v=bits_v, group=group))
         if method != "none" and batches is None and stats is None:
             raise PlanError(f"method={method!r} measures each choice on calibration text: pass batches, or use "
                             "method='none' for an uncalibrated full-rank quantized plan")
+        if method == "learned" and batches is None:
+            raise PlanError("method='learned' trains rank thresholds on the calibration text: pass batches (with "
+                            "stats= too, to reuse a pass over them)")
         layouts = None
     else:
         keep = check_keep(0.5 if keep is None else keep)
         keep_k = keep if keep_k is None else check_keep(keep_k, "keep_k")
         keep_v = keep if keep_v is None else check_keep(keep_v, "keep_v")
-        layouts = _layouts(16 if bits is None else bits, bits_k, bits_v, 32 if group is None else group, rotation)
+        layouts = _layouts(16 if bits is None else bits, bits_k, bits_v, 32 if group is None else group, rotation,
+                           sinks, window)
     if rotation is not None and rotation not in ROTATIONS:
         raise PlanError(f"rotation={rotation!r}; choose one of {ROTATIONS}")
     k_scheme, v_scheme = _schemes(scheme, k_scheme, v_scheme)
@@ -278,16 +300,11 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", sch
                for site in sites for side, name in (("k", site.k_weight), ("v", site.v_weight))}
     whitening = {site.index: whitening_factor(stats.grams[site.index] / stats.tokens) if stats is not None else None
                  for site in sites}
-    rope_groups = {}
-    for site in sites:
-        rope_groups.setdefault(site.rope_key, len(rope_groups))
     if budget is not None:
-        # a LatentCache stores one cos and one sin row per slot and RoPE group, in the model's dtype
-        itemsize = next(model.parameters()).dtype.itemsize
-        rope_bytes = sum(2 * itemsize * next(s.head_dim for s in sites if s.rope_key == key) for key in rope_groups)
         full_bytes = sum(2 * 2 * site.num_kv_heads * site.head_dim for site in sites)
-        choices = _allocate(sites, blocks, weights, whitening, stats, budget * full_bytes - rope_bytes, rope_bytes,
-                            full_bytes, method, rotation or "hadamard", progress)
+        choices = _allocate(sites, blocks, weights, whitening, stats, budget * full_bytes - POSITION_BYTES, full_bytes,
+                            method, Layout(bits=2, rotation=rotation or "hadamard", sinks=sinks, window=window),
+                            context, progress, model, batches)
     else:
         choices = _keep_choices(sites, blocks, layouts, keep_k, keep_v)
     planned = []
@@ -303,11 +320,11 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", sch
             k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"],
             rank_k=choices[site.index, "k"][0], rank_v=choices[site.index, "v"][0],
             k_layout=choices[site.index, "k"][1], v_layout=choices[site.index, "v"][1],
-            rope_group=rope_groups[site.rope_key],
             k_fingerprint=weight_fingerprint(params[site.k_weight]),
             v_fingerprint=weight_fingerprint(params[site.v_weight]), **factors))
     source = "uniform" if stats is None else "calibrated" if budget is None else f"calibrated: {method}"
-    return RankPlan(sites=tuple(planned), source=source, calibration_tokens=stats.tokens if stats is not None else 0)
+    return RankPlan(sites=tuple(planned), source=source, calibration_tokens=stats.tokens if stats is not None else 0,
+                    context=context)
 
 
 def _keep_choices(sites, blocks, layouts, keep_k, keep_v) -> dict:
@@ -328,7 +345,7 @@ def _keep_choices(sites, blocks, layouts, keep_k, keep_v) -> dict:
     return choices
 
 
-def _full_rank(sites, latent_bytes, rope_bytes, full_bytes, rotation) -> dict:
+def _full_rank(sites, latent_bytes, full_bytes, base: Layout, context) -> dict:
     """{(site, side): (rank, layout)}: full rank everywhere, at the most bits (then the smallest group) that fit."""
     full = [min(site.num_kv_heads * site.head_dim, site.hidden_size) for site in sites]
     fitting = []
@@ -336,21 +353,23 @@ def _full_rank(sites, latent_bytes, rope_bytes, full_bytes, rotation) -> dict:
         for group in CANDIDATE_GROUPS:
             if any(rank % group for rank in full):
                 continue
-            layout = Layout(bits=bits, group=group, rotation=rotation)
-            spent = 2 * sum(layout.bytes_per_token(rank) for rank in full)
+            layout = replace(base, bits=bits, group=group)
+            spent = 2 * sum(layout.bytes_per_token(rank, context) for rank in full)
             fitting.append((spent <= latent_bytes, bits, -group, spent, layout))
     if not any(fits for fits, *_ in fitting):
         smallest = min(spent for _, _, _, spent, _ in fitting)
-        raise PlanError(f"budget={(latent_bytes + rope_bytes) / full_bytes:.4g} is below what a full-rank plan can "
-                        f"reach, {(smallest + rope_bytes) / full_bytes:.4f} (2-bit latents); calibrate on text for "
+        raise PlanError(f"budget={(latent_bytes + POSITION_BYTES) / full_bytes:.4g} is below what a full-rank plan can "
+                        f"reach, {(smallest + POSITION_BYTES) / full_bytes:.4f} (2-bit latents); calibrate on text for "
                         "lower budgets (method='search' with batches: lower ranks)")
     layout = max(f for f in fitting if f[0])[-1]
     return {(site.index, side): (rank, layout) for site, rank in zip(sites, full) for side in ("k", "v")}
 
 
-def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, rope_bytes, full_bytes, method, rotation,
-              progress) -> dict:
-    """{(site, side): (rank, layout)} under `latent_bytes` per token, by `method` (see `lrkv_compile.allocate`)."""
+def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, full_bytes, method, base: Layout, context,
+              progress, model, batches) -> dict:
+    """{(site, side): (rank, layout)} under `latent_bytes` per token at `context` tokens, by `method` (see
+    `lrkv_compile.allocate`); every layout has the rotation, sinks and window of `base`. `model` and
+    `batches` are for the learned method's training."""
     keys = [(site, side) for site in sites for side in ("k", "v")]
 
     def ranks(site, side):
@@ -358,13 +377,14 @@ def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, rope_bytes
         return candidate_ranks(full, site.hidden_size, blocks[site.index, side])
 
     if method == "none":
-        return _full_rank(sites, latent_bytes, rope_bytes, full_bytes, rotation)
+        return _full_rank(sites, latent_bytes, full_bytes, base, context)
     lowest = {(site.index, side): ranks(site, side)[0] for site, side in keys}
-    cheapest = sum(Layout(bits=2, group=rank).bytes_per_token(rank) for rank in lowest.values())
+    cheapest = sum(replace(base, group=rank).bytes_per_token(rank, context) for rank in lowest.values())
     if cheapest > latent_bytes:
-        raise PlanError(f"budget={(latent_bytes + rope_bytes) / full_bytes:.4g} is below the smallest this model can "
-                        f"reach, {(cheapest + rope_bytes) / full_bytes:.4f} (every site at its lowest rank and 2 bits, "
-                        f"plus {rope_bytes} bytes per token of RoPE rows); ask for at least that")
+        raise PlanError(f"budget={(latent_bytes + POSITION_BYTES) / full_bytes:.4g} is below the smallest this model "
+                        f"can reach at context={context} with sinks={base.sinks} and window={base.window}, "
+                        f"{(cheapest + POSITION_BYTES) / full_bytes:.4f} (every site at its lowest rank and 2 bits); "
+                        "ask for at least that")
     options = {}
     for site, side in tqdm(keys, desc="lrkv calibrate: score ranks and bits", disable=not progress, unit="side"):
         weight = weights[site.index, side]
@@ -374,11 +394,26 @@ def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, rope_bytes
         def factor(rank, layout, site=site, side=side, weight=weight):
             return _factor(weight, whitening[site.index], blocks[site.index, side], rank, layout, site.index)
 
-        key = (site.index, side, blocks[site.index, side], rotation)
+        key = (site.index, side, blocks[site.index, side], base.rotation)
         if key not in stats.scored:
-            stats.scored[key] = score(factor, samples, samples @ weight.T, fisher.float(), ranks(site, side), rotation)
-        options[site.index, side] = stats.scored[key]
-    chosen = METHODS[method](options, latent_bytes)
+            stats.scored[key] = score(factor, samples, samples @ weight.T, fisher.float(), ranks(site, side),
+                                      base.rotation)
+        options[site.index, side] = [with_exact(candidate, base.sinks, base.window, context)
+                                     for candidate in stats.scored[key]]
+    allocate = METHODS[method]
+    if method == "fisher":
+        # Palu's importance: the summed Fisher information of the weight, E[(dL/dW)^2] summed over W, here in its
+        # Kronecker-factored estimate trace(E[g g^T]) trace(E[x x^T]) from the statistics already collected
+        allocate = partial(allocate, importance={
+            (site.index, side): float(stats.fisher[site.index, side].trace() * stats.grams[site.index].trace())
+            for site, side in keys})
+    if method == "learned":
+        total_rank = sum(candidate.rank for candidate in search(options, latent_bytes).values())
+        ranks = learn_ranks(model, batches, stats, {key: blocks[key] for key in options},
+                            {key: sorted({c.rank for c in found}) for key, found in options.items()}, total_rank,
+                            progress=progress)
+        allocate = partial(allocate, ranks=ranks)
+    chosen = allocate(options, latent_bytes)
     return {key: (candidate.rank, candidate.layout) for key, candidate in chosen.items()}
 
 
@@ -386,10 +421,13 @@ def calibrate(model, batches=None, keep=None, budget=None, method="search", **op
     """A plan for `model`: ranks and layouts of every attention site's K/V latents, with their factors.
 
     batches: token-id tensors of real text ([batch, tokens] or [tokens], or a list or iterator of them).
-    budget: the fraction of a 16-bit K/V cache's bytes the latent cache may take (everything it stores per
-    token counts: latents, scales, zero points, RoPE rows), whatever the model's dtype. `method` chooses
+    budget: the fraction of a 16-bit K/V cache's bytes the latent cache may take for a sequence of `context`
+    tokens (default 4096), whatever the model's dtype: everything it stores counts (latents, scales, zero
+    points, positions, and the exact sink and window tokens, amortised over the context). `method` chooses
     each site's K and V rank, bits and quantization group under it (`lrkv_compile.allocate`): "search"
-    (default) minimises the estimated loss; "uniform" uses one setting for every site; "none" needs no
+    (default) minimises the estimated loss; "uniform" uses one setting for every site; "fisher" gives ranks
+    in proportion to each projection's Fisher information (Palu) at one bit width; "learned" trains soft rank
+    thresholds by distillation (STAR-KV) at the rank the search spends, then searches bits; "none" needs no
     batches and gives a full-rank plan quantized to the widest bits that fit. `plan.budget` reports what
     was reached (at most the request).
     keep (instead of budget): fraction of the K/V channels the latents keep (rank / full dimension), the
@@ -398,8 +436,10 @@ def calibrate(model, batches=None, keep=None, budget=None, method="search", **op
     rank). keep=0.5 when neither is given.
     Both: scheme ("joint", "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme,
     group_size (heads per group for "group", default 4), rotation ("hadamard", the default for quantized
-    sides, "orthogonal", "none"), progress, stats (`collect_stats` on the same model, to make many plans
-    from one pass over the text; budget plans need it with fisher=True).
+    sides, "orthogonal", "none"), sinks and window (the first `sinks` tokens and the most recent `window`
+    ones of a sequence are also held exact in 16 bits on quantized sides; defaults 4 and 32), progress,
+    stats (`collect_stats` on the same model, to make many plans from one pass over the text; budget
+    plans need it with fisher=True).
     """
     if keep is not None and budget is not None:
         raise PlanError("pass keep= or budget=, not both")

@@ -4,6 +4,9 @@ protocol and the passkey test beside transformers' QuantizedCache)."""
 import argparse
 import json
 
+from .calibrate import DEFAULT_SINKS, DEFAULT_WINDOW
+from .plan import DEFAULT_CONTEXT
+
 
 def _data(tokenizer, calib_rows, eval_rows, length):
     from .models import python_docs_text, token_batches
@@ -90,11 +93,13 @@ def cmd_eval(args):
               quantized, quantized_cache_fraction(nbits, args.quanto_group),
               lambda ids, quantized=quantized, **options: model.generate(ids, past_key_values=quantized(), **options))
     stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
+    # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
+    exact = dict(context=args.length, sinks=args.sinks, window=args.window)
     plans = [(f"lrkv budget {budget} ({args.method})",
-              lambda budget=budget: lrkv.calibrate(model, stats=stats, budget=budget, method=args.method))
+              lambda budget=budget: lrkv.calibrate(model, stats=stats, budget=budget, method=args.method, **exact))
              for budget in args.budgets]
     plans += [(f"lrkv {text}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
-                                                                 **_setting(text))) for text in args.plans]
+                                                                 **exact, **_setting(text))) for text in args.plans]
     for name, make_plan in plans:
         plan = make_plan()
         if args.save_plans:
@@ -155,10 +160,11 @@ def cmd_calibrate(args):
         batches = text_batches(tokenizer, args.text, args.rows, args.length)
     else:
         batches = token_batches(tokenizer, python_docs_text()[0], args.rows, args.length)
+    exact = dict(context=args.context, sinks=args.sinks, window=args.window)
     if args.keep is not None:
-        plan = lrkv.calibrate(model, batches, keep=args.keep)
+        plan = lrkv.calibrate(model, batches, keep=args.keep, **exact)
     else:
-        plan = lrkv.calibrate(model, batches, budget=args.budget, method=args.method)
+        plan = lrkv.calibrate(model, batches, budget=args.budget, method=args.method, **exact)
     plan.save(args.output)
     print(plan.summary())
     print(f"wrote {args.output}")
@@ -174,9 +180,10 @@ def cmd_inspect(args):
     for column in ("layer", "K rank", "K bits/group", "V rank", "V bits/group", "bytes/token", "of full"):
         table.add_column(column, justify="right")
     for site in plan.sites:
+        spent = site.bytes_per_token(plan.context)
         table.add_row(str(site.layer), f"{site.rank_k}/{site.full_dim}", _layout_text(site.k_layout),
-                      f"{site.rank_v}/{site.full_dim}", _layout_text(site.v_layout), str(site.bytes_per_token()),
-                      f"{site.bytes_per_token() / (2 * 2 * site.full_dim):.3f}")
+                      f"{site.rank_v}/{site.full_dim}", _layout_text(site.v_layout), f"{spent:.1f}",
+                      f"{spent / (2 * 2 * site.full_dim):.3f}")
     Console().print(table)
     if args.plot:
         _plot_plan(plan, args.plot)
@@ -184,7 +191,10 @@ def cmd_inspect(args):
 
 
 def _layout_text(layout) -> str:
-    return "16" if layout.bits == 16 else f"{layout.bits}/{layout.group}"
+    if layout.bits == 16:
+        return "16"
+    exact = f" +{layout.sinks}+{layout.window}" if layout.exact_slots else ""
+    return f"{layout.bits}/{layout.group}{exact}"
 
 
 def _plot_plan(plan, path):
@@ -203,16 +213,23 @@ def _plot_plan(plan, path):
                            bar.get_height()), ha="center", va="bottom", fontsize=6)
     ranks.set_ylabel("rank (bits above)")
     ranks.legend(fontsize=8)
-    k_bytes = [site.k_layout.bytes_per_token(site.rank_k) for site in plan.sites]
-    v_bytes = [site.v_layout.bytes_per_token(site.rank_v) for site in plan.sites]
+    k_bytes = [site.k_layout.bytes_per_token(site.rank_k, plan.context) for site in plan.sites]
+    v_bytes = [site.v_layout.bytes_per_token(site.rank_v, plan.context) for site in plan.sites]
     spent.bar(layers, k_bytes, color="tab:blue", label="K")
     spent.bar(layers, v_bytes, bottom=k_bytes, color="tab:orange", label="V")
     spent.set_ylabel("bytes per token")
     spent.set_xlabel("layer")
     spent.legend(fontsize=8)
-    figure.suptitle(f"{plan.source}: budget {plan.budget:.3f} of a 16-bit cache", fontsize=9)
+    figure.suptitle(f"{plan.source}: budget {plan.budget:.3f} of a 16-bit cache at {plan.context} tokens", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def _exact_arguments(parser):
+    parser.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
+                        help="first tokens of a sequence also held exact (16-bit) on quantized sides")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                        help="most recent tokens also held exact (16-bit) on quantized sides")
 
 
 def main(argv=None):
@@ -249,6 +266,7 @@ def main(argv=None):
     evaluate.add_argument("--json", help="also write the figures to this JSON file")
     evaluate.add_argument("--plot", help="also draw the bytes/perplexity frontier to this image file")
     evaluate.add_argument("--save-plans", help="also save each plan into this folder")
+    _exact_arguments(evaluate)
     evaluate.set_defaults(run=cmd_eval)
     calibrate = commands.add_parser("calibrate", help="make a plan for a model from text, and save it")
     calibrate.add_argument("--model", help="a local Hugging Face model folder or a .gguf file (default: SmolLM2-135M "
@@ -259,6 +277,9 @@ def main(argv=None):
     calibrate.add_argument("--method", default="search", help="budget allocation: search, uniform, none")
     calibrate.add_argument("--rows", type=int, default=8, help="calibration rows of --length tokens")
     calibrate.add_argument("--length", type=int, default=512)
+    calibrate.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
+                           help="sequence length the budget is counted at (sinks and window amortised over it)")
+    _exact_arguments(calibrate)
     calibrate.add_argument("-o", "--output", required=True, help="plan file to write (.safetensors)")
     calibrate.set_defaults(run=cmd_calibrate)
     inspect = commands.add_parser("inspect", help="per-layer ranks, bits and bytes of a plan file")

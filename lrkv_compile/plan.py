@@ -18,8 +18,12 @@ from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES
 from .errors import CorruptPlanError, LrkvWarning, PlanError
 from .signature import SiteSignature
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no layouts (16-bit latents), migrated on load
+SCHEMA_VERSION = 3
+# version 1: no layouts (16-bit latents); version 2: per-site RoPE groups (the cache stored cos/sin rows per
+# slot), no sinks, window or context. Both are migrated on load.
+READABLE_VERSIONS = (1, 2, 3)
+POSITION_BYTES = 4  # a LatentCache stores each token's position (int32, one for all layers), not RoPE rows
+DEFAULT_CONTEXT = 4096
 SUPPORTED_BITS = (16,) + QUANTIZED_BITS
 _TENSORS = ("down_k", "up_k", "down_v", "up_v")
 
@@ -32,10 +36,15 @@ class Layout:
     group: latent channels of one token sharing an fp16 scale and zero point (quantized sides only).
     rotation: the orthogonal rotation fused into the factors before quantization ("none", "hadamard",
     "orthogonal"); recorded here, applied by calibration (`passes.factorize.rotation`).
+    sinks: the first `sinks` tokens of a sequence are also kept exact (16-bit), as attention sinks (RotateKV,
+    StreamingLLM); window: so are the most recent `window` tokens (KIVI's full-precision residual). Quantized
+    sides only: their exact copies sit beside the quantized slots, which every token still has.
     """
     bits: int = 16
     group: int = 32
     rotation: str = "none"
+    sinks: int = 0
+    window: int = 0
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
@@ -44,15 +53,30 @@ class Layout:
             raise PlanError(f"group={self.group!r} must be a positive integer (latent channels per scale)")
         if self.rotation not in ROTATIONS:
             raise PlanError(f"rotation={self.rotation!r}; choose one of {ROTATIONS}")
+        for name in ("sinks", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"{name}={value!r} must be an integer >= 0 (tokens kept exact)")
+        if self.bits == 16 and (self.sinks or self.window):
+            raise PlanError(f"sinks={self.sinks}, window={self.window} with bits=16: 16-bit latents are all stored "
+                            "exactly already; sinks and a window apply to quantized latents")
+
+    @property
+    def exact_slots(self) -> int:
+        """Tokens of this side held exact beside the quantized ones: the sinks, then a ring of the window."""
+        return self.sinks + self.window
 
     def stored_widths(self, rank: int) -> tuple[int, int]:
         """Last dimensions of the (latents, scale) buffers a LatentCache holds for this side."""
         return (rank, 0) if self.bits == 16 else (packed_width(rank, self.bits), rank // self.group)
 
-    def bytes_per_token(self, rank: int) -> int:
-        """Cache bytes one token's latents take, counted against a 16-bit cache (2 bytes per 16-bit value)."""
+    def bytes_per_token(self, rank: int, context: int = DEFAULT_CONTEXT) -> float:
+        """Cache bytes per token of a sequence of `context` tokens, counted against a 16-bit cache (2 bytes per
+        16-bit value): the latents, an fp16 scale and zero point per group, and the exact sink and window
+        tokens amortised over the context."""
         latents, groups = self.stored_widths(rank)
-        return (2 * latents if self.bits == 16 else latents) + 2 * 2 * groups  # + fp16 scale and zero per group
+        per_token = (2 * latents if self.bits == 16 else latents) + 2 * 2 * groups
+        return per_token + 2 * rank * self.exact_slots / context
 
 
 @dataclass(frozen=True)
@@ -73,7 +97,6 @@ class SitePlan:
     v_blocks: int
     rank_k: int
     rank_v: int
-    rope_group: int = 0
     k_layout: Layout = Layout()
     v_layout: Layout = Layout()
     # weight_fingerprint of the K and V weights the factors were made from; () where unknown
@@ -139,9 +162,9 @@ class SitePlan:
     def full_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def bytes_per_token(self) -> int:
-        """Cache bytes per token of this site's latents (16-bit values count 2 bytes)."""
-        return self.k_layout.bytes_per_token(self.rank_k) + self.v_layout.bytes_per_token(self.rank_v)
+    def bytes_per_token(self, context: int = DEFAULT_CONTEXT) -> float:
+        """Cache bytes per token of this site's latents at `context` tokens (16-bit values count 2 bytes)."""
+        return self.k_layout.bytes_per_token(self.rank_k, context) + self.v_layout.bytes_per_token(self.rank_v, context)
 
     def metadata(self) -> dict:
         def plain(value):
@@ -151,14 +174,17 @@ class SitePlan:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """A whole model's plan. `keep` is the fraction of the full K/V cache bytes the plan keeps."""
+    """A whole model's plan. `context`: the sequence length its budget is counted at (sinks and windows are
+    amortised over it)."""
     sites: tuple
     source: str = "uniform"
     calibration_tokens: int = 0
+    context: int = DEFAULT_CONTEXT
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
         _check_schema_version(self.schema_version, "schema_version")
+        check_context(self.context)
         if not self.sites:
             raise PlanError("a plan needs at least one site")
         for position, site in enumerate(self.sites):
@@ -174,12 +200,16 @@ class RankPlan:
 
     @property
     def budget(self) -> float:
-        """Cache bytes per token over those of a 16-bit full K/V cache: latents, scales and zero points, and
-        the RoPE cos/sin rows a LatentCache stores per slot (one pair per RoPE group), counted at 16 bits as
-        a 16-bit model's cache stores them (a float32 model's cache holds them, and its 16-bit sides, in
-        float32: `LatentCache.nbytes()` shows it, and budget calibration on such a model reserves it)."""
-        rope = {site.rope_group: 2 * 2 * site.head_dim for site in self.sites}
-        stored = sum(site.bytes_per_token() for site in self.sites) + sum(rope.values())
+        """`budget_at(self.context)`."""
+        return self.budget_at(self.context)
+
+    def budget_at(self, context: int) -> float:
+        """Cache bytes of a sequence of `context` tokens over those of a 16-bit full K/V cache: latents, scales
+        and zero points, exact sink and window tokens, and the tokens' positions. 16-bit sides count 2 bytes per
+        value (a float32 model's cache holds them in float32: `LatentCache.nbytes()` shows it); every other
+        buffer has the same bytes whatever the model's dtype."""
+        check_context(context)
+        stored = sum(site.bytes_per_token(context) for site in self.sites) + POSITION_BYTES
         return stored / sum(2 * 2 * site.full_dim for site in self.sites)
 
     def site_for(self, k_weight: str):
@@ -190,15 +220,18 @@ class RankPlan:
         ranks_v = sorted({s.rank_v for s in self.sites})
         schemes = sorted({f"{s.k_scheme}/{s.v_scheme}" for s in self.sites})
         bits = sorted({f"{s.k_layout.bits}/{s.v_layout.bits}" for s in self.sites})
-        return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, budget={self.budget:.3f} of a 16-bit cache, "
-                f"K ranks {ranks_k}, V ranks {ranks_v}, K/V bits {bits}, K/V schemes {schemes}, {self.source})")
+        exact = sorted({f"{s.k_layout.sinks}+{s.k_layout.window}/{s.v_layout.sinks}+{s.v_layout.window}"
+                        for s in self.sites})
+        return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, budget={self.budget:.3f} of a 16-bit cache "
+                f"at {self.context} tokens, K ranks {ranks_k}, V ranks {ranks_v}, K/V bits {bits}, "
+                f"K/V exact sinks+window {exact}, K/V schemes {schemes}, {self.source})")
 
     def save(self, path) -> None:
         """Write the plan as one safetensors file, with a checksum of its tensors in the metadata."""
         from safetensors.torch import save_file
         tensors = {f"sites.{i}.{name}": getattr(site, name).detach().cpu().contiguous().float()
                    for i, site in enumerate(self.sites) for name in _TENSORS}
-        meta = {"schema_version": self.schema_version, "source": self.source,
+        meta = {"schema_version": self.schema_version, "source": self.source, "context": self.context,
                 "calibration_tokens": self.calibration_tokens, "sites": [s.metadata() for s in self.sites]}
         meta["checksum"] = tensor_checksum(tensors, meta)
         save_file(tensors, str(path), metadata={"lrkv_plan": json.dumps(meta)})
@@ -233,6 +266,8 @@ class RankPlan:
                                        "damaged or edited after saving; re-create the plan")
             if meta["schema_version"] == 1:
                 meta = _migrate_v1(meta)
+            if meta["schema_version"] == 2:
+                meta = _migrate_v2(meta)
             sites = []
             for i, site_meta in enumerate(meta["sites"]):
                 factors = {}
@@ -242,7 +277,8 @@ class RankPlan:
                         raise CorruptPlanError(f"{path}: tensor {key!r} is missing")
                     factors[name] = tensors[key]
                 sites.append(SitePlan(**site_meta, **factors))
-            return cls(sites=tuple(sites), source=meta["source"], calibration_tokens=meta["calibration_tokens"])
+            return cls(sites=tuple(sites), source=meta["source"], calibration_tokens=meta["calibration_tokens"],
+                       context=meta["context"])
         except CorruptPlanError:
             raise
         except (KeyError, TypeError, ValueError) as error:
@@ -275,6 +311,13 @@ def _migrate_v1(meta: dict) -> dict:
     return {**meta, "schema_version": 2, "sites": sites}
 
 
+def _migrate_v2(meta: dict) -> dict:
+    """Version 2 sites carried a RoPE group (the cache stored cos/sin rows per slot, now positions) and the plan
+    no context (its budget was per token, with no sinks or window to amortise)."""
+    sites = [{name: value for name, value in site.items() if name != "rope_group"} for site in meta["sites"]]
+    return {**meta, "schema_version": 3, "context": DEFAULT_CONTEXT, "sites": sites}
+
+
 def weight_fingerprint(weight: torch.Tensor) -> tuple:
     """Eight numbers that identify a projection weight [out, in] whatever its dtype or device:
     P_out W p_in with fixed, deterministic probes. bf16 rounding moves them by ~1e-4 (relative); another
@@ -295,6 +338,14 @@ def tensor_checksum(tensors: dict, meta: dict) -> str:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return "sha256:" + digest.hexdigest()
+
+
+def check_context(context) -> int:
+    """`context` as a positive int, or a PlanError naming the user's value."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise PlanError(f"context={context!r} must be a positive integer: the sequence length (tokens) a budget is "
+                        "counted at")
+    return context
 
 
 def check_keep(keep, name: str = "keep") -> float:

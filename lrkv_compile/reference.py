@@ -5,7 +5,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lrkv_compile.lowering.quantize import fake_quantize
+from lrkv_compile.lowering.quantize import exact_dtype, fake_quantize
 
 from .errors import PlanMismatchError
 from .fit import check_parameters
@@ -17,13 +17,14 @@ class FactoredLinear(nn.Module):
     the latents (identity at 16 bits), so the numbers are those of a trip through a quantized cache.
 
     Outside `stepwise` every token is quantized (a stock cache stores the quantized keys and values and
-    attends over them); inside it, `history` holds the quantized latents of the positions earlier steps wrote.
+    attends over them); inside it, `history` holds the quantized latents of the positions earlier steps wrote
+    and `exact` their 16-bit latents, read where a LatentCache holds them exact (the layout's sinks and window).
     """
 
     def __init__(self, down: torch.Tensor, up: torch.Tensor, bias, layout: Layout):
         super().__init__()
         self.layout = layout
-        self.stepping, self.history = False, None
+        self.stepping, self.history, self.exact = False, None, None
         self.down = nn.Linear(down.shape[0], down.shape[1], bias=False)
         self.up = nn.Linear(up.shape[0], up.shape[1], bias=bias is not None)
         with torch.no_grad():
@@ -34,30 +35,37 @@ class FactoredLinear(nn.Module):
 
     def forward(self, x):
         latent = self.down(x)
+        layout = self.layout
         if not self.stepping:
-            return self.up(fake_quantize(latent, self.layout.bits, self.layout.group))
+            return self.up(fake_quantize(latent, layout.bits, layout.group))
         seen = 0 if self.history is None else self.history.shape[1]
-        new = fake_quantize(latent[:, seen:], self.layout.bits, self.layout.group)
-        stored = latent if self.history is None else torch.cat((self.history, latent[:, seen:]), dim=1)
-        self.history = new if self.history is None else torch.cat((self.history, new), dim=1)
-        return self.up(stored)
+        fresh = latent[:, seen:]
+        quantized = fake_quantize(fresh, layout.bits, layout.group)
+        exact = fresh if layout.bits == 16 else fresh.to(exact_dtype(fresh.dtype)).to(fresh.dtype)
+        self.history = quantized if self.history is None else torch.cat((self.history, quantized), dim=1)
+        self.exact = exact if self.exact is None else torch.cat((self.exact, exact), dim=1)
+        slots = torch.arange(latent.shape[1], device=latent.device)[None, :, None]
+        held_exact = (slots < layout.sinks) | (slots >= latent.shape[1] - layout.window)
+        earlier = torch.where(held_exact, self.exact, self.history)[:, :seen]
+        return self.up(torch.cat((earlier, fresh), dim=1))
 
 
 @contextmanager
 def stepwise(reference):
     """Within the block, each full forward of `reference` (from `low_rank_reference`) over the sequence so
     far is one step of a LatentCache: positions seen by earlier forwards use the latents recorded at their
-    own step, quantized (as the cache stores them); the new positions use their exact latents (as the
+    own step, quantized (as the cache stores them) or in 16 bits where the cache holds them exact (the
+    layout's sinks and most recent `window` positions); the new positions use their exact latents (as the
     cache's attention does for the current step) and are recorded. A position's output depends on earlier
     positions only through their keys and values, so its logits are those of the cached run."""
     modules = [m for m in reference.modules() if isinstance(m, FactoredLinear)]
     for module in modules:
-        module.stepping, module.history = True, None
+        module.stepping, module.history, module.exact = True, None, None
     try:
         yield reference
     finally:
         for module in modules:
-            module.stepping, module.history = False, None
+            module.stepping, module.history, module.exact = False, None, None
 
 
 def low_rank_reference(model, plan: RankPlan):

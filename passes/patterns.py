@@ -113,6 +113,87 @@ def match_rope(node) -> Optional[Rope]:
     return None
 
 
+@dataclass
+class RopeSource:
+    """Where a RoPE site's cos/sin come from: cos(positions * inv_freq, repeated over both halves) * scale,
+    as transformers' rotary embeddings compute them (default, linear, llama3, yarn... all change only inv_freq
+    and the scale). A LatentCache stores positions and rebuilds cos/sin from them."""
+    positions: Node   # integer [batch|1, tokens]
+    inv_freq: Node    # float [head_dim / 2]
+    scale: float
+
+
+_PASS_THROUGH = {"float", "to", "unsqueeze", "expand", "contiguous", "type_as"}
+
+
+def _strip(node, until=lambda node: False):
+    """Look through dtype casts, expands and None-indexing (unsqueezes), stopping at a node where `until` holds."""
+    while isinstance(node, Node) and not until(node):
+        if is_method(node, _PASS_THROUGH):
+            node = node.args[0]
+        elif is_function(node, {operator.getitem}) and isinstance(node.args[1], tuple) and all(
+                part is None or part is Ellipsis or part == slice(None) for part in node.args[1]):
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def _trig_argument(node, function: str):
+    """x for cos(x) / sin(x) (method or torch function), else None."""
+    if is_method(node, {function}) or is_function(node, {getattr(torch, function)}):
+        return node.args[0]
+    return None
+
+
+def _scaled(node):
+    """(inner, scale) for inner * constant (the rotary attention scaling), else (node, 1.0)."""
+    if is_function(node, {operator.mul, torch.mul}) and len(node.args) == 2:
+        for inner, scale in (node.args, node.args[::-1]):
+            if isinstance(inner, Node) and isinstance(scale, (int, float)) and not isinstance(scale, bool):
+                return inner, float(scale)
+    return node, 1.0
+
+
+def _is_integer(node) -> bool:
+    dtype = dtype_of(node) if isinstance(node, Node) else None
+    return dtype is not None and not dtype.is_floating_point and dtype != torch.bool
+
+
+def match_rope_source(cos: Node, sin: Node):
+    """RopeSource of a site's cos/sin operands, or the reason they are not position * inv_freq tables."""
+    tables = []
+    for node, function in ((cos, "cos"), (sin, "sin")):
+        inner, scale = _scaled(_strip(node))
+        emb = _trig_argument(_strip(inner), function)
+        if emb is None:
+            return f"the RoPE {function} table is not {function}(angles) * scale"
+        tables.append((_strip(emb), scale))
+    (emb, scale), (sin_emb, sin_scale) = tables
+    if emb is not sin_emb or scale != sin_scale:
+        return "RoPE cos and sin come from different angles or scales"
+    parts = emb.args[0] if is_function(emb, {torch.cat}) and emb.args else None
+    dim = emb.kwargs.get("dim", emb.args[1] if len(emb.args) > 1 else 0) if parts is not None else None
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is parts[1]
+            and dim in (-1, len(shape_of(emb) or ()) - 1)):
+        return "RoPE angles are not cat((freqs, freqs), -1) (interleaved or partial rotary)"
+    freqs = parts[0]
+    if is_method(freqs, {"transpose"}):  # transformers <= 5.17: (inv_freq[None, :, None] @ positions[:, None]).T
+        freqs = freqs.args[0]
+    if not (is_function(freqs, {operator.mul, torch.mul, operator.matmul, torch.matmul})
+            and len(freqs.args) == 2):
+        return "RoPE angles are not positions times inv_freq"
+    def is_positions(node):
+        return _is_integer(node) and len(shape_of(node) or ()) == 2
+
+    first, second = (_strip(arg, is_positions) for arg in freqs.args)
+    positions, inv_freq = (first, second) if _is_integer(first) else (second, first)
+    inv_shape = shape_of(inv_freq)
+    if not _is_integer(positions) or len(shape_of(positions) or ()) != 2 or not inv_shape or len(inv_shape) != 1:
+        return "RoPE angles are not integer positions [batch, tokens] times a 1-D inv_freq"
+    return RopeSource(positions=positions, inv_freq=inv_freq, scale=scale)
+
+
 def follow_layout_chain(node: Node) -> tuple[list[Node], Optional[Node]]:
     """From an attention output, walk single-user reshapes/transposes to the linear that consumes them.
 

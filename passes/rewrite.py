@@ -4,8 +4,11 @@ Two forms, one set of numbers:
 - factored (no cache, or a stock concat cache): k = (x down_k) up_k + b_k, likewise v; the cache keeps
   full keys/values, so memory is not reduced but the model is the plan's low-rank model.
 - latent (LatentCache): latents x down are written to the cache, attention rebuilds keys from latents
-  (RoPE at each slot's position) and applies up_v after the reduction over slots, or absorbs it into
+  (RoPE at each slot's stored position) and applies up_v after the reduction over slots, or absorbs it into
   the output projection (Palu eq. 5: p (C_v B_v) W_o = (p C_v)(B_v W_o)), whichever costs fewer FLOPs.
+The factored form fake-quantizes every latent, the current step's included: a stock cache has no slots, so
+the sink and window tokens a LatentCache keeps exact are quantized there too (the pessimistic side of the
+latent form's numbers).
 """
 import operator
 from dataclasses import dataclass
@@ -84,17 +87,20 @@ class _Rewriter:
         if layer_idx != planned.layer:
             raise PlanMismatchError(f"LatentCache layer {layer_idx} runs the site the plan lists as layer {planned.layer}")
         for side, rank, layout in (("k", planned.rank_k, planned.k_layout), ("v", planned.rank_v, planned.v_layout)):
+            exact = cache[f"{side}_exact"].meta["example_value"]
             held = (cache[f"latent_{side}"].meta["example_value"].shape[-1],
-                    cache[f"{side}_scale"].meta["example_value"].shape[-1])
-            if held != layout.stored_widths(rank):
-                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache's {side.upper()} buffers have widths {held}, "
-                                        f"the plan's rank {rank} at {layout.bits} bits needs "
-                                        f"{layout.stored_widths(rank)}; build the LatentCache from the same plan the "
-                                        "model is compiled with")
-        state = {name: cache[name] for name in ("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero",
-                                                "rope_cos", "rope_sin", "length")}
-        state.update(k_bits=planned.k_layout.bits, k_group=planned.k_layout.group, v_bits=planned.v_layout.bits,
-                     v_group=planned.v_layout.group)
+                    cache[f"{side}_scale"].meta["example_value"].shape[-1], exact.shape[1] if exact.dim() == 3 else 0)
+            needed = layout.stored_widths(rank) + (layout.exact_slots,)
+            if held != needed:
+                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache's {side.upper()} buffers have widths "
+                                        f"(latents, scales, exact tokens) {held}, the plan's rank {rank} at "
+                                        f"{layout.bits} bits with {layout.sinks} sinks and a window of "
+                                        f"{layout.window} needs {needed}; build the LatentCache from the same plan "
+                                        "the model is compiled with")
+        state = {name: cache[name] for name in ("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale",
+                                                "v_zero", "v_exact", "positions", "length")}
+        for side, layout in (("k", planned.k_layout), ("v", planned.v_layout)):
+            state.update({f"{side}_bits": layout.bits, f"{side}_group": layout.group, f"{side}_sinks": layout.sinks})
         name = f"lrkv_site{site.index}"
         weight = site.key.weight
         with self.graph.inserting_before(marker):
@@ -103,8 +109,7 @@ class _Rewriter:
             new = {"new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
                    "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))}
             self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs={
-                **state, **new, "cos": site.rope.cos if site.rope else None,
-                "sin": site.rope.sin if site.rope else None})
+                **state, **new, "new_positions": site.rope_source.positions if site.rope_source else None})
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
         absorb = path.startswith("absorbed") and site.out_proj is not None
         if not absorb:
@@ -114,6 +119,8 @@ class _Rewriter:
                 **state, **new, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
                 "bias_k": site.key.bias, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
                 "bias_v": None if absorb else site.value.bias, "attn_mask": site.attn_mask,
+                "inv_freq": site.rope_source.inv_freq if site.rope_source else None,
+                "rope_scale": site.rope_source.scale if site.rope_source else 1.0,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
                 "num_kv_heads": site.num_kv_heads})
         if absorb:

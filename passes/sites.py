@@ -14,8 +14,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from lrkv_compile.signature import SiteSignature
-from .patterns import (SDPA_TARGETS, follow_layout_chain, is_function, match_head_projection, match_rope, shape_of,
-                       unwrap_repeat_kv, unwrap_slot_crop)
+from .patterns import (SDPA_TARGETS, RopeSource, follow_layout_chain, is_function, match_head_projection, match_rope,
+                       match_rope_source, shape_of, unwrap_repeat_kv, unwrap_slot_crop)
 
 CACHE_MARKER = "lrkv.cache_marker"
 
@@ -28,6 +28,7 @@ class AttentionSite:
     key: object                     # patterns.Projection
     value: object
     rope: Optional[object]           # RoPE on the new keys, None for models without it
+    rope_source: Optional[RopeSource]  # the positions and frequencies its cos/sin are computed from
     cache: str                      # "none" | "concat" | "latent"
     cache_nodes: tuple = ()         # concat: (cat_k, cat_v); latent: (marker, getitem_k, getitem_v)
     k_weight: str = ""
@@ -42,7 +43,6 @@ class AttentionSite:
     attn_mask: Optional[Node] = None
     out_chain: list = field(default_factory=list)
     out_proj: Optional[Node] = None
-    rope_key: Optional[str] = None  # name of the cos node: sites sharing it share RoPE tables
 
     @property
     def signature(self) -> SiteSignature:
@@ -71,14 +71,6 @@ def parameter_name(node: Node) -> Optional[str]:
     if len(parts) < 3 or parts[0] != "" or parts[-2] not in ("parameters", "buffers"):
         return None
     return ".".join(parts[2::2])
-
-
-def _rope_root(node: Node) -> str:
-    """The cos table a site reads, looking through unsqueeze/dtype casts: sites sharing it share RoPE tables."""
-    while node.op == "call_method" and node.target in ("unsqueeze", "to", "view", "reshape", "float") \
-            and isinstance(node.args[0], Node):
-        node = node.args[0]
-    return node.name
 
 
 def _split_cache(node: Node):
@@ -133,10 +125,14 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
         return "missing shape metadata on q/k/v"
     if k_shape[-1] != v_shape[-1] or k_shape[1] != v_shape[1]:
         return "K and V have different head layouts"
+    rope_source = None
     if rope is not None:
         cos_shape = shape_of(rope.cos)
         if cos_shape is None or len(cos_shape) != 4 or cos_shape[1] != 1 or cos_shape[-1] != k_shape[-1]:
             return "RoPE tables are not [batch, 1, tokens, head_dim]"
+        rope_source = match_rope_source(rope.cos, rope.sin)
+        if isinstance(rope_source, str):
+            return rope_source
     num_heads, num_kv_heads = q_shape[1], k_shape[1]
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
@@ -149,13 +145,14 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
     mask = sdpa.kwargs.get("attn_mask", args[3])
     cache_nodes = k_nodes + v_nodes if k_cache == "concat" else k_nodes
     return AttentionSite(
-        index=-1, sdpa=sdpa, query=query, key=key, value=value, rope=rope, cache=k_cache, cache_nodes=cache_nodes,
+        index=-1, sdpa=sdpa, query=query, key=key, value=value, rope=rope, rope_source=rope_source, cache=k_cache,
+        cache_nodes=cache_nodes,
         k_weight=k_weight, v_weight=v_weight,
         k_bias=name_of(key.bias) if key.bias is not None else None,
         v_bias=name_of(value.bias) if value.bias is not None else None,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=k_shape[-1],
         hidden_size=shape_of(key.x)[-1], scale=sdpa.kwargs.get("scale"), attn_mask=mask,
-        out_chain=chain, out_proj=out_proj, rope_key=_rope_root(rope.cos) if rope else None,
+        out_chain=chain, out_proj=out_proj,
     )
 
 

@@ -9,14 +9,20 @@ SMALL = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_s
              num_hidden_layers=2, dtype=torch.float32, seed=0)
 
 
-def test_nbytes_counts_latents_and_one_rope_table():
+def test_nbytes_counts_latents_exact_tokens_and_positions():
     model = build_model(SMALL)
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
     cache = lrkv.LatentCache(model, plan, max_batch_size=3, max_cache_len=10)
-    latents = 2 * 3 * 10 * (16 + 16) * 4
-    rope = 2 * 3 * 10 * 16 * 4
-    assert cache.nbytes() == latents + rope
+    latents = 2 * 3 * 10 * (16 + 16) * 4  # two layers, float32 latents of rank 16 per side
+    positions = 3 * 10 * 4                 # one int32 per slot and row, for all layers
+    assert cache.nbytes() == latents + positions
     assert cache.full_cache_nbytes() == 2 * 3 * 10 * (2 * 32) * 4
+    quantized = lrkv.RankPlan.uniform(model, keep=0.5, bits=4, group=8, sinks=2, window=3, progress=False)
+    cache = lrkv.LatentCache(model, quantized, max_batch_size=3, max_cache_len=10)
+    codes = 16 * 4 // 8 + 2 * 2 * 16 // 8  # packed codes, then an fp16 scale and zero per group of 8
+    exact = 2 * 3 * 5 * 2 * 16 * 2         # two layers and sides, 2 sinks + 3 window tokens in fp16
+    assert cache.nbytes() == 2 * 2 * 3 * 10 * codes + exact + positions
+    assert cache.nbytes() == pytest.approx(quantized.budget_at(10) * 3 * cache.full_cache_nbytes(torch.float16) / 3)
 
 
 def test_latent_cache_without_the_backend_raises():

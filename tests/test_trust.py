@@ -238,10 +238,10 @@ def test_a_generator_of_batches_is_read_once():
 
 def test_schema_version_of_the_wrong_type_is_named():
     site = lrkv.RankPlan.uniform(build_model(SMALL), keep=0.5, progress=False).sites
-    with pytest.raises(lrkv.PlanError, match="schema_version='1' must be the integer 2"):
+    with pytest.raises(lrkv.PlanError, match="schema_version='1' must be the integer 3"):
         lrkv.RankPlan(sites=site, schema_version="1")
-    with pytest.raises(lrkv.PlanError, match="schema_version=3 is not readable"):
-        lrkv.RankPlan(sites=site, schema_version=3)
+    with pytest.raises(lrkv.PlanError, match="schema_version=4 is not readable"):
+        lrkv.RankPlan(sites=site, schema_version=4)
 
 
 def test_calibration_progress_counts_tokens(capsys):
@@ -261,5 +261,5 @@ def test_explain_is_readable_in_a_log(capsys):
 
 def test_a_latent_cache_larger_than_a_full_one_warns():
     model = build_model(SMALL)
-    with pytest.warns(lrkv.LrkvWarning, match=r"1\.25x the bytes of a full cache"):
+    with pytest.warns(lrkv.LrkvWarning, match=r"takes 1\.0\dx the bytes of a full cache"):  # full rank + positions
         lrkv.LatentCache(model, lrkv.RankPlan.uniform(model, keep=1.0, progress=False), max_cache_len=8)
