@@ -96,18 +96,17 @@ def test_uncalibrated_budget_plans_are_full_rank_and_quantized():
     model = build_model(SPEC)
     plan = lrkv.calibrate(model, budget=0.4, method="none", progress=False)
     assert plan.budget <= 0.4 and plan.calibration_tokens == 0
-    # per layer and side 64 channels at 4 bits = 32 B + 2 groups x 4 B, + 36 exact tokens x 128 B / 4096
+    # per layer and side 64 channels at 4 bits = 32 B + 2 groups x 4 B, + 4 exact sink tokens x 128 B / 4096
     assert {(site.rank_k, site.rank_v) for site in plan.sites} == {(64, 64)}
-    assert {site.k_layout for site in plan.sites} == {lrkv.Layout(bits=4, group=32, rotation="hadamard", sinks=4,
-                                                                  window=32)}
-    # 2 bits in groups of 64: 16 B + 4 B, + 1.125 B of exact tokens, per layer and side; + a 4 B position
-    with pytest.raises(lrkv.PlanError, match="full-rank plan can reach, 0.1676"):
+    assert {site.k_layout for site in plan.sites} == {lrkv.Layout(bits=4, group=32, rotation="hadamard", sinks=4)}
+    # 2 bits in groups of 64: 16 B + 4 B, + 0.125 B of sink tokens, per layer and side; + a 4 B position
+    with pytest.raises(lrkv.PlanError, match="full-rank plan can reach, 0.1598"):
         lrkv.calibrate(model, budget=0.1, method="none", progress=False)
 
 
 def test_bad_budgets_are_clear_errors(calibrated):
     model, stats = calibrated
-    with pytest.raises(lrkv.PlanError, match="can reach at context=4096 with sinks=4 and window=32, 0.0506"):
+    with pytest.raises(lrkv.PlanError, match="can reach at context=4096 with sinks=4 and window=0, 0.0496"):
         lrkv.calibrate(model, stats=stats, budget=0.01, progress=False)
     for bad in (0, 1.5, "0.2", True):
         with pytest.raises(lrkv.PlanError, match="budget="):
