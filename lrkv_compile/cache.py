@@ -85,7 +85,8 @@ class LatentCache(Cache):
     nbytes() is what the buffers occupy: per layer and side max_batch_size x max_cache_len x the side's
     bytes per token (rank values of the model's dtype, or packed codes plus fp16 scales and zero points),
     the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence.
-    At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is plan.budget.
+    At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is plan.budget when the model
+    is 16-bit or every side is quantized (16-bit sides are held in the model's dtype).
     """
 
     def __init__(self, model, plan: RankPlan, max_batch_size: int = 1, max_cache_len: int = 2048,
@@ -109,15 +110,17 @@ class LatentCache(Cache):
         def buffers(rank, layout):
             latents, groups = layout.stored_widths(rank)
             quantized = layout.bits != 16
-            empty = torch.zeros(0, dtype=torch.float16, device=device)
+
+            def empty():  # one per buffer: the ops mutate them, so no two may alias
+                return torch.zeros(0, dtype=torch.float16, device=device)
             return (torch.zeros(max_batch_size, max_cache_len, latents, device=device,
                                 dtype=torch.uint8 if quantized else dtype),
                     torch.zeros(max_batch_size, max_cache_len, groups, dtype=torch.float16, device=device)
-                    if quantized else empty,
+                    if quantized else empty(),
                     torch.zeros(max_batch_size, max_cache_len, groups, dtype=torch.float16, device=device)
-                    if quantized else empty,
+                    if quantized else empty(),
                     torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
-                    if quantized and layout.exact_slots else empty)
+                    if quantized and layout.exact_slots else empty())
 
         layers = [LatentLayer(buffers(site.rank_k, site.k_layout), buffers(site.rank_v, site.v_layout), positions,
                               site.layer) for site in plan.sites]
@@ -154,8 +157,7 @@ class LatentCache(Cache):
 
     def full_cache_nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes a full (uncompressed) K/V cache of the same capacity would hold, in `dtype` (default: the
-        cache's dtype). At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is the
-        plan's budget."""
+        cache's dtype)."""
         element = (dtype or self.dtype).itemsize
         per_token = sum(2 * site.num_kv_heads * site.head_dim for site in self.plan.sites)
         return self.max_batch_size * self.max_cache_len * per_token * element

@@ -287,6 +287,8 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
         raise PlanError(f"stats must be the CalibrationStats that collect_stats returns, got {type(stats).__name__}")
     if stats is not None and fisher and stats.fisher is None:
         raise PlanError("budget= with a method that measures needs stats collected with collect_stats(..., fisher=True)")
+    if batches is not None:
+        batches = as_batches(batches)  # read once: collect_stats and the learned method both use them
     if stats is None and batches is not None:
         stats = collect_stats(model, batches, progress, fisher=fisher,
                               check_sites=lambda sites: _blocks(sites, k_scheme, v_scheme, group_size))

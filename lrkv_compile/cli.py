@@ -96,7 +96,8 @@ def cmd_eval(args):
     # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
     exact = dict(context=args.length, sinks=args.sinks, window=args.window)
     plans = [(f"lrkv budget {budget} ({args.method})",
-              lambda budget=budget: lrkv.calibrate(model, stats=stats, budget=budget, method=args.method, **exact))
+              lambda budget=budget: lrkv.calibrate(model, calibration if args.method == "learned" else None, stats=stats,
+                                                   budget=budget, method=args.method, **exact))
              for budget in args.budgets]
     plans += [(f"lrkv {text}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
                                                                  **exact, **_setting(text))) for text in args.plans]
@@ -250,7 +251,7 @@ def main(argv=None):
     evaluate = commands.add_parser("eval", help="continuation-protocol perplexity: full cache, lrkv plans, QuantizedCache")
     evaluate.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.25, 0.2, 0.14, 0.1],
                           help="lrkv plans calibrated to these fractions of a 16-bit cache's bytes")
-    evaluate.add_argument("--method", default="search", help="allocation method for --budgets (search, uniform)")
+    evaluate.add_argument("--method", default="search", help="allocation method for --budgets (search, uniform, fisher, learned)")
     evaluate.add_argument("--plans", nargs="*", default=[],
                           help="also lrkv plans with one setting everywhere, as k<keep>:<bits>,v<keep>:<bits>")
     evaluate.add_argument("--group", type=int, default=32, help="latent channels per quantization scale")
@@ -274,7 +275,7 @@ def main(argv=None):
     calibrate.add_argument("--text", nargs="+", help="text files to calibrate on (default: Python docs prose)")
     calibrate.add_argument("--budget", type=float, default=0.2, help="fraction of a 16-bit K/V cache's bytes")
     calibrate.add_argument("--keep", type=float, help="instead of --budget: fraction of K/V channels kept, 16-bit")
-    calibrate.add_argument("--method", default="search", help="budget allocation: search, uniform, none")
+    calibrate.add_argument("--method", default="search", help="budget allocation: search, uniform, fisher, learned, none")
     calibrate.add_argument("--rows", type=int, default=8, help="calibration rows of --length tokens")
     calibrate.add_argument("--length", type=int, default=512)
     calibrate.add_argument("--context", type=int, default=DEFAULT_CONTEXT,

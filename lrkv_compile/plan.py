@@ -37,8 +37,11 @@ class Layout:
     rotation: the orthogonal rotation fused into the factors before quantization ("none", "hadamard",
     "orthogonal"); recorded here, applied by calibration (`passes.factorize.rotation`).
     sinks: the first `sinks` tokens of a sequence are also kept exact (16-bit), as attention sinks (RotateKV,
-    StreamingLLM); window: so are the most recent `window` tokens (KIVI's full-precision residual). Quantized
-    sides only: their exact copies sit beside the quantized slots, which every token still has.
+    StreamingLLM); window: so are the most recent `window` slots after each step's write, this step's
+    tokens included (KIVI's full-precision residual, which holds the newest tokens too; this step's tokens
+    attend exactly anyway, so a decode step reads window - 1 earlier ones exact). Sinks are counted by slot:
+    in a left-padded batch a shorter row's sinks are pad slots. Quantized sides only: the exact copies sit
+    beside the quantized slots, which every token still has.
     """
     bits: int = 16
     group: int = 32
@@ -294,7 +297,7 @@ class RankPlan:
 
 def _check_schema_version(version, what: str, readable=(SCHEMA_VERSION,)) -> None:
     if isinstance(version, bool) or not isinstance(version, int):
-        raise PlanError(f"{what}={version!r} must be the integer {SCHEMA_VERSION}")
+        raise PlanError(f"{what}={version!r} must be an integer, {SCHEMA_VERSION} for plans this lrkv writes")
     if version not in readable:
         raise PlanError(f"{what}={version} is not readable by this lrkv, which reads schema_version "
                         f"{' or '.join(map(str, readable))}; use the lrkv release that wrote the plan, or re-create it")

@@ -28,7 +28,7 @@ class AttentionSite:
     key: object                     # patterns.Projection
     value: object
     rope: Optional[object]           # RoPE on the new keys, None for models without it
-    rope_source: Optional[RopeSource]  # the positions and frequencies its cos/sin are computed from
+    rope_source: Optional[RopeSource]  # the positions and frequencies its cos/sin come from (latent sites: always)
     cache: str                      # "none" | "concat" | "latent"
     cache_nodes: tuple = ()         # concat: (cat_k, cat_v); latent: (marker, getitem_k, getitem_v)
     k_weight: str = ""
@@ -132,7 +132,9 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
             return "RoPE tables are not [batch, 1, tokens, head_dim]"
         rope_source = match_rope_source(rope.cos, rope.sin)
         if isinstance(rope_source, str):
-            return rope_source
+            if k_cache == "latent":  # a LatentCache stores positions, not RoPE rows: it needs their source
+                return f"{rope_source}, so a LatentCache cannot rebuild RoPE from stored positions"
+            rope_source = None  # a stock cache (or none) keeps full keys: the factored rewrite needs no source
     num_heads, num_kv_heads = q_shape[1], k_shape[1]
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"

@@ -22,7 +22,7 @@ def test_nbytes_counts_latents_exact_tokens_and_positions():
     codes = 16 * 4 // 8 + 2 * 2 * 16 // 8  # packed codes, then an fp16 scale and zero per group of 8
     exact = 2 * 3 * 5 * 2 * 16 * 2         # two layers and sides, 2 sinks + 3 window tokens in fp16
     assert cache.nbytes() == 2 * 2 * 3 * 10 * codes + exact + positions
-    assert cache.nbytes() == pytest.approx(quantized.budget_at(10) * 3 * cache.full_cache_nbytes(torch.float16) / 3)
+    assert cache.nbytes() == pytest.approx(quantized.budget_at(10) * cache.full_cache_nbytes(torch.float16))
 
 
 def test_latent_cache_without_the_backend_raises():

@@ -139,7 +139,9 @@ def test_plan_files_of_earlier_versions_load(tmp_path, version):
     from safetensors import safe_open
     from safetensors.torch import save_file
     from lrkv_compile.plan import tensor_checksum
-    plan = lrkv.RankPlan.uniform(build_model(SMALL), keep=0.5, progress=False)
+    # a version-2 quantized side had no sinks: it must load with none, not today's default
+    options = dict(bits_k=16, bits_v=4, group=8, sinks=0) if version == 2 else {}
+    plan = lrkv.RankPlan.uniform(build_model(SMALL), keep=0.5, progress=False, **options)
     plan.save(tmp_path / "v3.safetensors")
     with safe_open(str(tmp_path / "v3.safetensors"), framework="pt") as handle:
         meta = json.loads(handle.metadata()["lrkv_plan"])
@@ -147,6 +149,8 @@ def test_plan_files_of_earlier_versions_load(tmp_path, version):
     del meta["checksum"], meta["context"]
     for site in meta["sites"]:
         site["rope_group"] = 0
+        for side in ("k_layout", "v_layout"):  # version 2 layouts had no sinks or window
+            del site[side]["sinks"], site[side]["window"]
         if version == 1:
             del site["rope_group"], site["k_layout"], site["v_layout"]
             site["bits_k"] = site["bits_v"] = 16

@@ -48,7 +48,7 @@ def test_calibrated_half_plan_halves_the_cache_and_matches_the_reference(smollm2
     assert torch.equal(out, expected)
     ratio = cache.nbytes() / cache.full_cache_nbytes()
     print(f"SmolLM2 keep=0.5: cache {cache.nbytes()} B vs full {cache.full_cache_nbytes()} B, ratio {ratio:.4f}")
-    assert ratio <= 0.52
+    assert 0.5 < ratio <= 0.5001  # the latents at keep 0.5, and 4 bytes of position per token for all layers
 
 
 def test_compiled_and_reference_perplexity_agree(smollm2):
