@@ -46,6 +46,7 @@ def cmd_ppl(args):
         table.add_row(scheme, *(f"{results[f'{scheme} keep={keep}']:.2f}" for keep in args.keeps))
     Console().print(table)
     if args.json:
+        _folder_of(args.json)
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
 
@@ -121,10 +122,17 @@ def cmd_eval(args):
                       str(row["passkeys"]))
     Console().print(table)
     if args.json:
+        _folder_of(args.json)
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)
     if args.plot:
         _plot_frontier(rows, title, args.plot)
+
+
+def _folder_of(path):
+    """Create the folder an output file goes into."""
+    from pathlib import Path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
 def _plot_frontier(rows, title, path):
@@ -149,6 +157,7 @@ def _plot_frontier(rows, title, path):
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
+    _folder_of(path)
     figure.savefig(path, dpi=120)
 
 
@@ -166,6 +175,7 @@ def cmd_calibrate(args):
         plan = lrkv.calibrate(model, batches, keep=args.keep, **exact)
     else:
         plan = lrkv.calibrate(model, batches, budget=args.budget, method=args.method, **exact)
+    _folder_of(args.output)
     plan.save(args.output)
     print(plan.summary())
     print(f"wrote {args.output}")
@@ -223,6 +233,7 @@ def _plot_plan(plan, path):
     spent.legend(fontsize=8)
     figure.suptitle(f"{plan.source}: budget {plan.budget:.3f} of a 16-bit cache at {plan.context} tokens", fontsize=9)
     figure.tight_layout()
+    _folder_of(path)
     figure.savefig(path, dpi=120)
 
 
