@@ -1,6 +1,7 @@
-"""Triton kernels for the latent ops.
+"""Triton kernels for the latent ops (the pure `@triton.jit` code and its launch configurations).
 
-Empty in this release: every op in ``lrkv_compile.lowering.ops`` runs its PyTorch reference
-implementation. The fused Triton kernels (reconstruct + RoPE + q.K with online softmax, p.V' in
-the latent space) are planned next and will be selected by ``lowering`` when a GPU is present.
+`latent_decode`: decode attention (one new token per sequence) over a latent cache, 16-bit or quantized, in
+the byte layout `lowering/quantize.py` documents; `latent_tiles`: reading one tile of that layout. Launched
+by `lowering/triton_decode.py`, checked against the reference op by `tests/test_kernels.py` (on CPU under
+Triton's interpreter). Not yet called by the compiled model: the ops still run their PyTorch reference.
 """

@@ -43,7 +43,8 @@ def _(key_states, value_states, latent_k, k_scale, k_zero, k_exact, latent_v, v_
 def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Tensor, latent_v: Tensor,
                  v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor, new_k: Tensor, new_v: Tensor,
                  new_positions: Optional[Tensor], length: Tensor, k_bits: int, k_group: int, k_sinks: int,
-                 v_bits: int, v_group: int, v_sinks: int) -> None:
+                 k_axis: str, k_outliers: int, v_bits: int, v_group: int, v_sinks: int, v_axis: str,
+                 v_outliers: int) -> None:
     """Store this step's K/V latents (quantized per the layout, exact copies of sinks and window) and their
     positions in the cache, in place."""
     reference.latent_write(**locals())  # the op's own arguments, by name
@@ -51,7 +52,7 @@ def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Ten
 
 @latent_write.register_fake
 def _(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, new_positions,
-      length, k_bits, k_group, k_sinks, v_bits, v_group, v_sinks):
+      length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
     return None
 
 
@@ -61,7 +62,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      new_k: Tensor, new_v: Tensor, up_k: Tensor, bias_k: Optional[Tensor], up_v: Optional[Tensor],
                      bias_v: Optional[Tensor], inv_freq: Optional[Tensor], rope_scale: float, length: Tensor,
                      attn_mask: Optional[Tensor], softmax_scale: float, num_kv_heads: int, k_bits: int,
-                     k_group: int, k_sinks: int, v_bits: int, v_group: int, v_sinks: int) -> Tensor:
+                     k_group: int, k_sinks: int, k_axis: str, k_outliers: int, v_bits: int, v_group: int,
+                     v_sinks: int, v_axis: str, v_outliers: int) -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract."""
     return reference.latent_attention(**locals())  # the op's own arguments, by name
 
@@ -69,7 +71,7 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
 @latent_attention.register_fake
 def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
       bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
-      k_sinks, v_bits, v_group, v_sinks):
+      k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])
@@ -77,11 +79,11 @@ def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_ex
 
 
 @torch.library.custom_op("lrkv::fake_quantize", mutates_args=())
-def fake_quantize(latent: Tensor, bits: int, group: int) -> Tensor:
+def fake_quantize(latent: Tensor, bits: int, group: int, axis: str, outliers: int) -> Tensor:
     """The latent as it reads back from a quantized cache (the stock-cache path's numbers)."""
-    return quantize.fake_quantize(latent, bits, group).clone()
+    return quantize.fake_quantize(latent, bits, group, axis, outliers).clone()
 
 
 @fake_quantize.register_fake
-def _(latent, bits, group):
+def _(latent, bits, group, axis, outliers):
     return torch.empty_like(latent)

@@ -2,12 +2,19 @@
 
 Layout of one side's quantized latents (what `LatentCache` stores and kernels read), per sequence row b
 and cache slot s:
-- codes  uint8 [max_batch, slots, ceil(rank * bits / 8)]: the slot's `rank` codes as one little-endian
-  bit stream: code i occupies bits [i*bits, (i+1)*bits) of the row, least significant bit first (byte
-  j holds bits [8j, 8j+8)). 8-bit codes are plain bytes; 4-bit ones two per byte, low nibble first.
-- scale, zero  float16 [max_batch, slots, rank / group]: asymmetric min/max quantization over each group
-  of `group` consecutive latent channels of one slot (a per-token scale axis): value = code * scale + zero,
-  code = round((value - zero) / scale) clamped to [0, 2^bits - 1], zero = the group's minimum.
+- codes  uint8 [max_batch, slots, 2 * outliers + ceil((rank - outliers) * bits / 8)]: first the layout's
+  `outliers` leading latent channels as float16 (2 bytes each, little-endian; not quantized: the top
+  singular directions, STAR-KV's mixed precision), then the other channels' codes as one little-endian bit
+  stream: code i occupies bits [i*bits, (i+1)*bits), least significant bit first (byte j holds bits
+  [8j, 8j+8)). 8-bit codes are plain bytes; 4-bit ones two per byte, low nibble first. Scales and zero
+  points below cover the quantized channels only (rank - outliers of them).
+- scale, zero  float16: asymmetric min/max quantization over each group of `group` values: value = code *
+  scale + zero, code = round((value - zero) / scale) clamped to [0, 2^bits - 1], zero = the group's minimum.
+  With q = rank - outliers quantized channels: per token (axis "token"): [max_batch, slots, q / group], a
+  group = `group` consecutive latent channels of one slot. Per channel (axis "channel", KIVI's keys):
+  [max_batch, ceil(slots / group), q], a group =
+  one latent channel over the `group` slots of block s // group; a block is quantized when its last slot is
+  written (its codes and scales are written then), and until then its slots are read from `exact`.
 - exact  16-bit [max_batch, sinks + window, rank] (`exact_dtype`): the latents of the first `sinks` slots,
   then a ring of the most recent `window` slots, slot s at entry sinks + s % window. Every slot also has its
   quantized codes; a reader takes the exact copy where one is held. Empty when the layout keeps none.
@@ -31,45 +38,90 @@ def packed_width(rank: int, bits: int) -> int:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., rank] (integers in [0, 2^bits)) -> uint8 [..., packed_width(rank, bits)]."""
+    """codes [..., rank] (integers in [0, 2^bits)) -> uint8 [..., packed_width(rank, bits)].
+
+    Eight codes fill exactly `bits` bytes, so the stream is built eight codes at a time: code i of a run goes
+    to bits [i*bits, (i+1)*bits) of a little-endian word of `bits` bytes."""
     rank = codes.shape[-1]
-    shifts = torch.arange(bits, device=codes.device)
-    stream = ((codes.to(torch.int32)[..., None] >> shifts) & 1).flatten(-2)  # [..., rank * bits], LSB first
-    padding = packed_width(rank, bits) * 8 - stream.shape[-1]
-    stream = torch.nn.functional.pad(stream, (0, padding)).unflatten(-1, (-1, 8))
-    return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+    runs = -(-rank // 8)
+    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, runs * 8 - rank)).unflatten(-1, (runs, 8))
+    words = (padded << (bits * torch.arange(8, device=codes.device))).sum(-1)        # [..., runs]
+    stream = (words[..., None] >> (8 * torch.arange(bits, device=codes.device))) & 0xFF  # [..., runs, bits]
+    return stream.flatten(-2)[..., :packed_width(rank, bits)].to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, rank: int) -> torch.Tensor:
     """Inverse of `pack_codes`: uint8 [..., width] -> int32 [..., rank]."""
-    stream = (packed.to(torch.int32)[..., None] >> torch.arange(8, device=packed.device)) & 1
-    stream = stream.flatten(-2)[..., :rank * bits].unflatten(-1, (rank, bits))
-    return (stream << torch.arange(bits, device=packed.device)).sum(-1)
+    runs = -(-rank // 8)
+    stream = torch.nn.functional.pad(packed, (0, runs * bits - packed.shape[-1])).to(torch.int64)
+    words = (stream.unflatten(-1, (runs, bits)) << (8 * torch.arange(bits, device=packed.device))).sum(-1)
+    codes = (words[..., None] >> (bits * torch.arange(8, device=packed.device))) & (2 ** bits - 1)
+    return codes.flatten(-2)[..., :rank].to(torch.int32)
 
 
-def quantize(latent: torch.Tensor, bits: int, group: int):
-    """latent [..., rank] -> (codes uint8 [..., width], scale fp16 [..., rank/group], zero fp16 [..., rank/group])."""
-    grouped = latent.float().unflatten(-1, (-1, group))                     # [..., groups, group]
-    low, high = grouped.amin(-1), grouped.amax(-1)
+def _block_view(latent: torch.Tensor, group: int, axis: str) -> torch.Tensor:
+    """float32 view of latent [..., tokens, rank] with the values of one scale along the last dimension: per token
+    [..., tokens, rank / group, group]; per channel [..., blocks, rank, group] over blocks of `group` tokens (a
+    last partial block padded with its own last token, which leaves its range as it is)."""
+    latent = latent.float()
+    if axis == "token":
+        return latent.unflatten(-1, (-1, group))
+    tokens = latent.shape[-2]
+    padding = -tokens % group
+    if padding:
+        latent = torch.cat((latent, latent[..., -1:, :].expand(*latent.shape[:-2], padding, latent.shape[-1])), -2)
+    return latent.unflatten(-2, (-1, group)).transpose(-1, -2)
+
+
+def _scales_per_value(scale: torch.Tensor, group: int, axis: str, tokens: int) -> torch.Tensor:
+    """float32 scale (or zero) [..., rows, groups] spread to one per value [..., tokens, rank]."""
+    scale = scale.float()
+    if axis == "token":
+        return scale.repeat_interleave(group, dim=-1)
+    return scale.repeat_interleave(group, dim=-2)[..., :tokens, :]
+
+
+def quantize(latent: torch.Tensor, bits: int, group: int, axis: str = "token", outliers: int = 0):
+    """latent [..., tokens, rank] -> (codes uint8 [..., tokens, 2 * outliers + packed_width(rank - outliers, bits)],
+    scale fp16, zero fp16). The first `outliers` channels are kept as float16 (their bytes lead each slot's
+    codes); the rest are quantized, with scales [..., tokens, (rank - outliers) / group] per token and
+    [..., ceil(tokens / group), rank - outliers] per channel."""
+    kept, latent = latent[..., :outliers], latent[..., outliers:]
+    blocks = _block_view(latent, group, axis)
+    low, high = blocks.amin(-1), blocks.amax(-1)
     levels = 2 ** bits - 1
     scale = ((high - low) / levels).to(torch.float16)
     zero = low.to(torch.float16)
     # quantize against the stored (fp16) scale and zero, so dequantization reproduces the grid exactly
-    step = scale.float().clamp_min(2.0 ** -24)[..., None]  # the smallest fp16 step: a constant group gets code 0
-    codes = torch.round((grouped - zero.float()[..., None]) / step).clamp_(0, levels)
-    return pack_codes(codes.flatten(-2), bits), scale, zero
+    tokens = latent.shape[-2] if axis == "channel" else None
+    step = _scales_per_value(scale, group, axis, tokens).clamp_min(2.0 ** -24)  # a constant group gets code 0
+    codes = torch.round((latent.float() - _scales_per_value(zero, group, axis, tokens)) / step).clamp_(0, levels)
+    codes = pack_codes(codes, bits)
+    if outliers:
+        codes = torch.cat((kept.to(torch.float16).contiguous().view(torch.uint8), codes), dim=-1)
+    return codes, scale, zero
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
-               dtype=torch.float32) -> torch.Tensor:
-    """(codes, scale, zero) from `quantize` -> latent [..., rank] in `dtype`."""
-    rank = scale.shape[-1] * group
-    values = unpack_codes(codes, bits, rank).float().unflatten(-1, (-1, group))
-    return (values * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)
+               axis: str = "token", outliers: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """(codes, scale, zero) from `quantize` -> latent [..., tokens, rank] in `dtype`."""
+    tokens = codes.shape[-2] if axis == "channel" else None
+    rank = scale.shape[-1] * (group if axis == "token" else 1)
+    values = unpack_codes(codes[..., 2 * outliers:], bits, rank).float()
+    values = (values * _scales_per_value(scale, group, axis, tokens) + _scales_per_value(zero, group, axis, tokens))
+    if outliers:
+        values = torch.cat((_float16_from_bytes(codes[..., :2 * outliers]), values), dim=-1)
+    return values.to(dtype)
 
 
-def fake_quantize(latent: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """What a latent reads back as after a trip through the cache: dequantize(quantize(latent))."""
+def _float16_from_bytes(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2n] (little-endian float16s) -> float32 [..., n], whatever the strides of `raw`."""
+    bits = raw[..., 0::2].to(torch.int32) | (raw[..., 1::2].to(torch.int32) << 8)
+    return torch.where(bits >= 2 ** 15, bits - 2 ** 16, bits).to(torch.int16).view(torch.float16).float()
+
+
+def fake_quantize(latent: torch.Tensor, bits: int, group: int, axis: str = "token", outliers: int = 0) -> torch.Tensor:
+    """What a latent [..., tokens, rank] reads back as after a trip through the cache: dequantize(quantize(latent))."""
     if bits == 16:
         return latent
-    return dequantize(*quantize(latent, bits, group), bits, group, dtype=latent.dtype)
+    return dequantize(*quantize(latent, bits, group, axis, outliers), bits, group, axis, outliers, dtype=latent.dtype)

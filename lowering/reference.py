@@ -14,19 +14,31 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _store(latent, scale, zero, exact, new, bits, group, sinks, batch, start):
+def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, batch, start):
     """Write new [batch, tokens, rank] latents at slots [start, start + tokens): quantized if bits < 16, and
-    exact copies of the sink slots (< sinks) and of the last `window` slots (ring entry sinks + slot % window)."""
+    exact copies of the sink slots (< sinks) and of the last `window` slots (ring entry sinks + slot % window).
+    Per channel (axis "channel"), the blocks of `group` slots this write completes are quantized from their
+    16-bit copies: the earlier slots' from the ring, which holds them (window >= group), this step's rounded."""
     tokens = new.shape[1]
     if bits == 16:
         latent[:batch, start:start + tokens] = new.to(latent.dtype)
         return
-    codes, new_scale, new_zero = quantize.quantize(new, bits, group)
-    latent[:batch, start:start + tokens] = codes
-    scale[:batch, start:start + tokens] = new_scale
-    zero[:batch, start:start + tokens] = new_zero
+    window = exact.shape[1] - sinks if exact.numel() else 0
+    if axis == "token":
+        codes, new_scale, new_zero = quantize.quantize(new, bits, group, axis, outliers)
+        latent[:batch, start:start + tokens] = codes
+        scale[:batch, start:start + tokens] = new_scale
+        zero[:batch, start:start + tokens] = new_zero
+    else:
+        first, end = start - start % group, (start + tokens) // group * group
+        if end > first:
+            earlier = exact[:batch, sinks + torch.arange(first, start, device=new.device) % window]
+            span = torch.cat((earlier, new[:, :end - start].to(exact.dtype)), dim=1)
+            codes, new_scale, new_zero = quantize.quantize(span, bits, group, axis, outliers)
+            latent[:batch, first:end] = codes
+            scale[:batch, first // group:end // group] = new_scale
+            zero[:batch, first // group:end // group] = new_zero
     if exact.numel():
-        window = exact.shape[1] - sinks
         slots = torch.arange(start, start + tokens, device=new.device)
         sink = slots < sinks
         exact[:batch, slots[sink]] = new[:, sink].to(exact.dtype)
@@ -35,12 +47,16 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, batch, start):
             exact[:batch, sinks + recent % window] = new[:, -len(recent):].to(exact.dtype)
 
 
-def read_latents(latent, scale, zero, exact, bits, group, sinks, batch, slots, written) -> torch.Tensor:
+def read_latents(latent, scale, zero, exact, bits, group, sinks, axis, outliers, batch, slots,
+                 written) -> torch.Tensor:
     """The first `slots` latents of the first `batch` rows as float32 [batch, slots, rank], dequantized, with the
-    exact copies where the cache holds them: sinks, and the window's ring as it stands after `written` slots."""
+    exact copies where the cache holds them: sinks, and the window's ring as it stands after `written` slots
+    (which also holds a channel-axis block not yet full, whose codes are not written yet)."""
     if bits == 16:
         return latent[:batch, :slots].float()
-    values = quantize.dequantize(latent[:batch, :slots], scale[:batch, :slots], zero[:batch, :slots], bits, group)
+    rows = -(-slots // group) if axis == "channel" else slots
+    values = quantize.dequantize(latent[:batch, :slots], scale[:batch, :rows], zero[:batch, :rows], bits, group, axis,
+                                 outliers)
     if exact.numel():
         window = exact.shape[1] - sinks
         count = min(sinks, slots)
@@ -52,7 +68,8 @@ def read_latents(latent, scale, zero, exact, bits, group, sinks, batch, slots, w
 
 
 def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v,
-                 new_positions, length, k_bits, k_group, k_sinks, v_bits, v_group, v_sinks) -> None:
+                 new_positions, length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
+                 v_outliers) -> None:
     """Write this step's latents (quantized per side's layout, with exact sink and window copies) and their
     positions at slots [length, length + tokens).
 
@@ -73,8 +90,8 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
             f"batch of {batch} sequences but this LatentCache holds max_batch_size={latent_k.shape[0]}; "
             "create it with a larger max_batch_size"
         )
-    _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, batch, start)
-    _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, batch, start)
+    _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers, batch, start)
+    _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers, batch, start)
     if new_positions is not None:
         positions[:batch, start:start + tokens] = torch.broadcast_to(new_positions, (batch, tokens)).to(positions.dtype)
 
@@ -83,8 +100,8 @@ def rope_tables(positions, inv_freq, rope_scale, dtype):
     """cos and sin [..., head_dim] of integer `positions` [...], as transformers' rotary embeddings compute them:
     in float32, angles position * inv_freq repeated over both halves, times the attention scaling, then cast."""
     angles = positions.float()[..., None] * inv_freq.float()
-    emb = torch.cat((angles, angles), dim=-1)
-    return (emb.cos() * rope_scale).to(dtype), (emb.sin() * rope_scale).to(dtype)
+    cos, sin = (angles.cos() * rope_scale).to(dtype), (angles.sin() * rope_scale).to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads):
@@ -118,18 +135,21 @@ def _allowed(attn_mask, batch, tokens, slots, device):
     return allowed, additive
 
 
-def _earlier_and_this_step(latent, scale, zero, exact, bits, group, sinks, new, slots) -> torch.Tensor:
+def _earlier_and_this_step(latent, scale, zero, exact, bits, group, sinks, axis, outliers, new,
+                           slots) -> torch.Tensor:
     """float32 [batch, slots, rank]: the earlier steps' latents read back from the cache (dequantized, or exact
     where it holds them), then this step's exact latents `new` [batch, tokens, rank] (the cache's last `tokens`
     slots hold them too)."""
     batch, tokens = new.shape[0], new.shape[1]
-    earlier = read_latents(latent, scale, zero, exact, bits, group, sinks, batch, slots - tokens, slots)
+    earlier = read_latents(latent, scale, zero, exact, bits, group, sinks, axis, outliers, batch, slots - tokens,
+                           slots)
     return torch.cat((earlier, new.float()), dim=1)
 
 
 def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k,
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
-                     num_kv_heads, k_bits, k_group, k_sinks, v_bits, v_group, v_sinks):
+                     num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
+                     v_outliers):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -145,28 +165,39 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     """
     batch, heads, tokens, head_dim = query.shape
     slots = int(length)
-    group = heads // num_kv_heads
-    latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, new_k, slots)
+    latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, k_axis,
+                                       k_outliers, new_k, slots)
     keys = reconstruct_keys(latents_k.to(query.dtype), positions[:batch, :slots], inv_freq, rope_scale, up_k, bias_k,
                             num_kv_heads)
-    q = query.view(batch, num_kv_heads, group, tokens, head_dim).float()
-    scores = torch.einsum("bkgtd,bksd->bkgts", q, keys.float()) * softmax_scale
-    scores = scores.reshape(batch, heads, tokens, slots)
-    allowed, additive = _allowed(attn_mask, batch, tokens, slots, query.device)
-    if additive is not None:
-        scores = scores + additive.float()
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
-    probs = probs.view(batch, num_kv_heads, group, tokens, slots)
     # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
-    latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, new_v, slots)
+    latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, v_axis,
+                                           v_outliers, new_v, slots)
     latent_values = latent_values.to(query.dtype).float()
-    context = torch.einsum("bkgts,bsr->bkgtr", probs, latent_values)  # [batch, kv_heads, group, tokens, rank_v]
-    if up_v is None:
-        return context.reshape(batch, heads, tokens, -1).transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)
     rank_v = latent_values.shape[-1]
-    up = up_v.float().view(rank_v, num_kv_heads, head_dim)
-    out = torch.einsum("bkgtr,rkd->bkgtd", context, up)
+    allowed, additive = _allowed(attn_mask, batch, tokens, slots, query.device)
+    mask = allowed if additive is None else additive.float().masked_fill(~allowed, float("-inf"))
+    group = heads // num_kv_heads
+    up = None if up_v is None else up_v.float().view(rank_v, num_kv_heads, head_dim)
+    if up is not None and tokens * group * (rank_v - head_dim) > rank_v * head_dim:
+        # many queries per slot (prefill): rebuilding the values first is cheaper than reducing rank_v channels
+        # per query head; the same sum, regrouped: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v
+        values = torch.einsum("bsr,rkd->bksd", latent_values, up)
+        context = _attend(query, keys, values, mask, softmax_scale)
+    else:
+        # values stay one latent shared by every KV head until after the reduction over slots
+        context = _attend(query, keys, latent_values[:, None].expand(batch, num_kv_heads, slots, rank_v), mask,
+                          softmax_scale)
+        if up is None:
+            return context.transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)
+        context = torch.einsum("bkgtr,rkd->bkgtd", context.view(batch, num_kv_heads, group, tokens, rank_v), up)
     if bias_v is not None:
-        out = out + bias_v.float().view(1, num_kv_heads, 1, 1, head_dim)
-    return out.reshape(batch, heads, tokens, head_dim).to(query.dtype)
+        context = context.view(batch, num_kv_heads, group, tokens, head_dim) + bias_v.float().view(
+            1, num_kv_heads, 1, 1, head_dim)
+    return context.reshape(batch, heads, tokens, head_dim).to(query.dtype)
+
+
+def _attend(query, keys, values, mask, softmax_scale):
+    """float32 attention of query [batch, heads, tokens, head_dim] over keys/values [batch, kv_heads, slots, *]."""
+    context = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys.float(), values, attn_mask=mask, scale=softmax_scale, enable_gqa=True)
+    return context.nan_to_num(0.0)  # a query with no visible slot attends to nothing

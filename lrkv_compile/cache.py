@@ -109,15 +109,16 @@ class LatentCache(Cache):
 
         def buffers(rank, layout):
             latents, groups = layout.stored_widths(rank)
+            rows = layout.scale_rows(max_cache_len)
             quantized = layout.bits != 16
 
             def empty():  # one per buffer: the ops mutate them, so no two may alias
                 return torch.zeros(0, dtype=torch.float16, device=device)
             return (torch.zeros(max_batch_size, max_cache_len, latents, device=device,
                                 dtype=torch.uint8 if quantized else dtype),
-                    torch.zeros(max_batch_size, max_cache_len, groups, dtype=torch.float16, device=device)
+                    torch.zeros(max_batch_size, rows, groups, dtype=torch.float16, device=device)
                     if quantized else empty(),
-                    torch.zeros(max_batch_size, max_cache_len, groups, dtype=torch.float16, device=device)
+                    torch.zeros(max_batch_size, rows, groups, dtype=torch.float16, device=device)
                     if quantized else empty(),
                     torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
                     if quantized and layout.exact_slots else empty())

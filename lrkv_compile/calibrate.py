@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 
 from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES, blocks_for, factorize, rotate, whitening_factor
 from lrkv_compile.passes.sites import find_sites
-from .allocate import CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, candidate_ranks, score, search, with_exact
+from .allocate import (CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, OUTLIER_CHANNELS, candidate_ranks, score, search,
+                       with_exact)
 from .errors import LrkvWarning, PlanError
 from .learned import learn_ranks
 from .plan import (DEFAULT_CONTEXT, POSITION_BYTES, Layout, RankPlan, SitePlan, check_context, check_keep, rank_for,
@@ -218,14 +219,16 @@ def _exact(sinks, window) -> tuple[int, int]:
     return values
 
 
-def _layouts(bits, bits_k, bits_v, group, rotation, sinks, window) -> dict:
+def _layouts(bits, bits_k, bits_v, group, rotation, sinks, window, axis_k, axis_v, outliers_k, outliers_v) -> dict:
     """{"k": Layout, "v": Layout}: bits_k / bits_v override bits; quantized sides default to a Hadamard rotation
-    and keep the sinks and window exact (16-bit sides hold every token exact)."""
+    and keep the sinks and window exact (16-bit sides hold every token exact); a channel-axis side's window
+    is at least its group (the block it fills before quantizing it)."""
     layouts = {}
-    for side, side_bits in (("k", bits if bits_k is None else bits_k), ("v", bits if bits_v is None else bits_v)):
-        exact = {} if side_bits == 16 else {"sinks": sinks, "window": window}
+    for side, side_bits, axis, outliers in (("k", bits if bits_k is None else bits_k, axis_k or "token", outliers_k),
+                                            ("v", bits if bits_v is None else bits_v, axis_v or "token", outliers_v)):
+        exact = {} if side_bits == 16 else {"sinks": sinks, "window": max(window, group) if axis == "channel" else window}
         try:
-            layouts[side] = Layout(bits=side_bits, group=group,
+            layouts[side] = Layout(bits=side_bits, group=group, axis=axis, outliers=outliers or 0,
                                    rotation=rotation or ("none" if side_bits == 16 else "hadamard"), **exact)
         except PlanError as error:
             raise PlanError(f"{side.upper()} latents: {error}") from None
@@ -235,7 +238,7 @@ def _layouts(bits, bits_k, bits_v, group, rotation, sinks, window) -> dict:
 def _factor(weight, whitening, blocks, rank, layout, seed):
     """The plan's factors of one side: whitened SVD truncated to `rank`, then the layout's rotation fused in."""
     down, up = factorize(weight, whitening, blocks, rank)
-    return rotate(down, up, layout.rotation, blocks, seed=seed)
+    return rotate(down, up, layout.rotation, blocks, seed=seed, keep=layout.outliers)
 
 
 def _budget_options(budget, method, options):
@@ -245,23 +248,26 @@ def _budget_options(budget, method, options):
                         "the latent cache may take")
     if method not in METHODS and method != "none":
         raise PlanError(f"method={method!r}; choose one of {tuple(METHODS) + ('none',)}")
-    chosen_by_budget = {"keep", "keep_k", "keep_v", "bits", "bits_k", "bits_v", "group"}
+    chosen_by_budget = {"keep", "keep_k", "keep_v", "bits", "bits_k", "bits_v", "group", "axis_k", "axis_v",
+                        "outliers_k", "outliers_v"}
     clash = sorted(name for name, value in options.items() if name in chosen_by_budget and value is not None)
     if clash:
         raise PlanError(f"{', '.join(clash)} cannot be combined with budget=: the budget's allocation chooses "
-                        "ranks, bits and groups per site; pass either budget= or keep= (and bits=)")
+                        "ranks, bits, groups and scale axes per site; pass either budget= or keep= (and bits=)")
 
 
 def build_plan(model, batches=None, keep=None, budget=None, method="search", context=DEFAULT_CONTEXT, scheme="joint",
                k_scheme=None, v_scheme=None, group_size=None, keep_k=None, keep_v=None, bits=None, bits_k=None,
-               bits_v=None, group=None, rotation=None, sinks=None, window=None, progress=True, stats=None) -> RankPlan:
+               bits_v=None, group=None, axis_k=None, axis_v=None, outliers_k=None, outliers_v=None, rotation=None,
+               sinks=None, window=None, progress=True, stats=None) -> RankPlan:
     """Plan every attention site of `model`; see `calibrate` for the arguments. With `batches` (or `stats`),
     factors are activation-aware (whitened SVD); without, plain SVD of the weights."""
     check_context(context)
     sinks, window = _exact(sinks, window)
     if budget is not None:
         _budget_options(budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits, bits_k=bits_k,
-                                             bits_v=bits_v, group=group))
+                                             bits_v=bits_v, group=group, axis_k=axis_k, axis_v=axis_v,
+                                             outliers_k=outliers_k, outliers_v=outliers_v))
         if method != "none" and batches is None and stats is None:
             raise PlanError(f"method={method!r} measures each choice on calibration text: pass batches, or use "
                             "method='none' for an uncalibrated full-rank quantized plan")
@@ -274,7 +280,7 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
         keep_k = keep if keep_k is None else check_keep(keep_k, "keep_k")
         keep_v = keep if keep_v is None else check_keep(keep_v, "keep_v")
         layouts = _layouts(16 if bits is None else bits, bits_k, bits_v, 32 if group is None else group, rotation,
-                           sinks, window)
+                           sinks, window, axis_k, axis_v, outliers_k, outliers_v)
     if rotation is not None and rotation not in ROTATIONS:
         raise PlanError(f"rotation={rotation!r}; choose one of {ROTATIONS}")
     k_scheme, v_scheme = _schemes(scheme, k_scheme, v_scheme)
@@ -339,8 +345,12 @@ def _keep_choices(sites, blocks, layouts, keep_k, keep_v) -> dict:
     for site in sites:
         for side, side_keep in (("k", keep_k), ("v", keep_v)):
             side_blocks, layout = blocks[site.index, side], layouts[side]
-            # a quantized side's rank is a whole number of quantization groups
-            multiple = side_blocks if layout.bits == 16 else math.lcm(side_blocks, layout.group)
+            if layout.outliers and side_blocks != 1:
+                raise PlanError(f"outliers_{side}={layout.outliers} needs a joint-scheme side (one block of latent "
+                                f"channels); {side.upper()} is split into {side_blocks} blocks by its scheme")
+            # a side quantized per token has a rank of whole quantization groups (per channel: any rank)
+            per_token = layout.bits != 16 and layout.axis == "token"
+            multiple = math.lcm(side_blocks, layout.group) if per_token else side_blocks
             rank = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, multiple)
             asked = side_keep * site.num_kv_heads * site.head_dim
             if multiple > side_blocks and abs(rank - asked) >= side_blocks and site.index == 0:
@@ -402,8 +412,9 @@ def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, full_bytes
 
         key = (site.index, side, blocks[site.index, side], base.rotation)
         if key not in stats.scored:
+            outliers = (0, *OUTLIER_CHANNELS) if blocks[site.index, side] == 1 else (0,)
             stats.scored[key] = score(factor, samples, samples @ weight.T, fisher.float(), ranks(site, side),
-                                      base.rotation)
+                                      base.rotation, outliers)
         options[site.index, side] = [with_exact(candidate, base.sinks, base.window, context)
                                      for candidate in stats.scored[key]]
     allocate = METHODS[method]
@@ -438,8 +449,12 @@ def calibrate(model, batches=None, keep=None, budget=None, method="search", **op
     was reached (at most the request).
     keep (instead of budget): fraction of the K/V channels the latents keep (rank / full dimension), the
     same everywhere, with keep_k / keep_v (separate K and V fractions), bits (16 = unquantized, 8, 4, 3,
-    2) or bits_k / bits_v, group (latent channels per quantization scale, default 32; it must divide the
-    rank). keep=0.5 when neither is given.
+    2) or bits_k / bits_v, group (values per quantization scale, default 32; per token it must divide the
+    rank), axis_k / axis_v ("token", the default: a scale per group of a token's latent channels; "channel":
+    a scale per latent channel and block of `group` tokens, as KIVI quantizes keys, with the window raised
+    to at least `group`), outliers_k / outliers_v (leading latent channels, the largest singular directions,
+    kept in float16 beside the quantized rest, which alone is rotated; joint-scheme sides only). keep=0.5
+    when neither is given. Budget plans choose the axis and outliers per side and site.
     Both: scheme ("joint", "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme,
     group_size (heads per group for "group", default 4), rotation ("hadamard", the default for quantized
     sides, "orthogonal", "none"), sinks and window (the first `sinks` tokens and the most recent `window`

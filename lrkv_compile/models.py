@@ -98,3 +98,24 @@ def text_batches(tokenizer, paths, rows: int, length: int):
               file=sys.stderr)
     rows = min(rows, available)
     return ids[:rows * length].view(rows, length)
+
+
+def calibration_and_evaluation_ids(tokenizer, paths=None):
+    """(calibration ids, evaluation ids): two disjoint token streams. From the user's text files, the first
+    half of their tokens calibrates and the second half evaluates; without files, the two halves of the
+    Python docs prose (`python_docs_text`)."""
+    if not paths:
+        return tuple(tokenizer(text, return_tensors="pt").input_ids[0] for text in python_docs_text())
+    text = "\n\n".join(Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    half = len(ids) // 2
+    return ids[:half], ids[half:]
+
+
+def rows_of(ids, count: int, length: int, what: str):
+    """[count, length] consecutive tokens from the start of `ids`; an error naming what is short."""
+    needed = count * length
+    if len(ids) < needed:
+        raise ValueError(f"the {what} text has {len(ids)} tokens; {count} rows of {length} need {needed}: "
+                         "give more text, or fewer rows or a shorter length")
+    return ids[:needed].view(count, length)

@@ -18,13 +18,15 @@ from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES
 from .errors import CorruptPlanError, LrkvWarning, PlanError
 from .signature import SiteSignature
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # version 1: no layouts (16-bit latents); version 2: per-site RoPE groups (the cache stored cos/sin rows per
-# slot), no sinks, window or context. Both are migrated on load.
-READABLE_VERSIONS = (1, 2, 3)
+# slot), no sinks, window or context; version 3: no scale axis or outlier channels (every layout per token, none
+# kept). All are migrated on load.
+READABLE_VERSIONS = (1, 2, 3, 4)
 POSITION_BYTES = 4  # a LatentCache stores each token's position (int32, one for all layers), not RoPE rows
 DEFAULT_CONTEXT = 4096
 SUPPORTED_BITS = (16,) + QUANTIZED_BITS
+SCALE_AXES = ("token", "channel")
 _TENSORS = ("down_k", "up_k", "down_v", "up_v")
 
 
@@ -33,9 +35,17 @@ class Layout:
     """How one side's latents are stored in the cache (see `lowering/quantize.py` for the byte layout).
 
     bits: 16 = unquantized (the model's dtype), or 8, 4, 3, 2 bits per latent channel.
-    group: latent channels of one token sharing an fp16 scale and zero point (quantized sides only).
+    group: how many values share one fp16 scale and zero point (quantized sides only): along the scale `axis`.
+    axis: "token" (each token's latent channels in groups of `group`: the scales follow the token) or
+    "channel" (each latent channel over blocks of `group` consecutive slots, as KIVI quantizes keys: a
+    channel's range is shared by its tokens). A channel-axis block is quantized when its last slot is
+    written; until then its tokens are read from the exact window, which must hold at least `group` slots
+    (the residual KIVI keeps in full precision).
     rotation: the orthogonal rotation fused into the factors before quantization ("none", "hadamard",
     "orthogonal"); recorded here, applied by calibration (`passes.factorize.rotation`).
+    outliers: the first `outliers` latent channels (the largest singular directions) are stored as float16
+    and left out of the rotation and the quantization (STAR-KV's mixed-precision blocks); joint-scheme sides
+    only (one block of latent channels).
     sinks: the first `sinks` tokens of a sequence are also kept exact (16-bit), as attention sinks (RotateKV,
     StreamingLLM); window: so are the most recent `window` slots after each step's write, this step's
     tokens included (KIVI's full-precision residual, which holds the newest tokens too; this step's tokens
@@ -48,6 +58,8 @@ class Layout:
     rotation: str = "none"
     sinks: int = 0
     window: int = 0
+    axis: str = "token"
+    outliers: int = 0
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
@@ -56,13 +68,25 @@ class Layout:
             raise PlanError(f"group={self.group!r} must be a positive integer (latent channels per scale)")
         if self.rotation not in ROTATIONS:
             raise PlanError(f"rotation={self.rotation!r}; choose one of {ROTATIONS}")
-        for name in ("sinks", "window"):
+        for name, what in (("sinks", "tokens kept exact"), ("window", "tokens kept exact"),
+                           ("outliers", "latent channels kept in float16")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PlanError(f"{name}={value!r} must be an integer >= 0 (tokens kept exact)")
+                raise PlanError(f"{name}={value!r} must be an integer >= 0 ({what})")
+        if self.bits == 16 and self.outliers:
+            raise PlanError(f"outliers={self.outliers} with bits=16: every channel of a 16-bit side is stored exactly "
+                            "already; outlier channels apply to quantized latents")
         if self.bits == 16 and (self.sinks or self.window):
             raise PlanError(f"sinks={self.sinks}, window={self.window} with bits=16: 16-bit latents are all stored "
                             "exactly already; sinks and a window apply to quantized latents")
+        if self.axis not in SCALE_AXES:
+            raise PlanError(f"axis={self.axis!r}; choose one of {SCALE_AXES} (what one quantization scale spans)")
+        if self.axis == "channel" and self.bits == 16:
+            raise PlanError("axis='channel' with bits=16: a scale axis applies to quantized latents only")
+        if self.axis == "channel" and self.window < self.group:
+            raise PlanError(f"axis='channel' with group={self.group} needs window >= {self.group}: a block of "
+                            f"{self.group} slots is quantized once it is full, and until then its tokens are read "
+                            f"from the exact window (window={self.window}); raise the window or lower the group")
 
     @property
     def exact_slots(self) -> int:
@@ -71,14 +95,22 @@ class Layout:
 
     def stored_widths(self, rank: int) -> tuple[int, int]:
         """Last dimensions of the (latents, scale) buffers a LatentCache holds for this side."""
-        return (rank, 0) if self.bits == 16 else (packed_width(rank, self.bits), rank // self.group)
+        if self.bits == 16:
+            return rank, 0
+        quantized = rank - self.outliers
+        return (2 * self.outliers + packed_width(quantized, self.bits),
+                quantized if self.axis == "channel" else quantized // self.group)
+
+    def scale_rows(self, slots: int) -> int:
+        """Rows of the scale and zero buffers for `slots` cache slots: one per slot, or per channel-axis block."""
+        return -(-slots // self.group) if self.axis == "channel" else slots
 
     def bytes_per_token(self, rank: int, context: int = DEFAULT_CONTEXT) -> float:
         """Cache bytes per token of a sequence of `context` tokens, counted against a 16-bit cache (2 bytes per
         16-bit value): the latents, an fp16 scale and zero point per group, and the exact sink and window
         tokens amortised over the context."""
-        latents, groups = self.stored_widths(rank)
-        per_token = (2 * latents if self.bits == 16 else latents) + 2 * 2 * groups
+        latents, scales = self.stored_widths(rank)
+        per_token = (2 * latents if self.bits == 16 else latents) + 2 * 2 * scales * self.scale_rows(context) / context
         return per_token + 2 * rank * self.exact_slots / context
 
 
@@ -138,9 +170,15 @@ class SitePlan:
             if not isinstance(layout, Layout):
                 raise PlanError(f"{where}: {side}_layout must be a Layout, got {type(layout).__name__}")
             rank = getattr(self, f"rank_{side}")
-            if layout.bits != 16 and rank % layout.group:
-                raise PlanError(f"{where}: {side}_layout.group={layout.group} does not divide rank_{side}={rank}; "
-                                "pick a group that divides the rank (a group larger than the rank is not allowed)")
+            if layout.outliers and (layout.outliers >= rank or getattr(self, f"{side}_blocks") != 1):
+                raise PlanError(f"{where}: {side}_layout.outliers={layout.outliers} needs a joint-scheme side (one "
+                                f"block of latent channels, not {getattr(self, f'{side}_blocks')}) with more than "
+                                f"that many channels (rank_{side}={rank})")
+            quantized = rank - layout.outliers
+            if layout.bits != 16 and layout.axis == "token" and quantized % layout.group:
+                raise PlanError(f"{where}: {side}_layout.group={layout.group} does not divide the {quantized} "
+                                f"quantized channels of rank_{side}={rank} (outliers={layout.outliers}); pick a group "
+                                "that divides them (a group larger than the rank is not allowed)")
         for side in ("k", "v"):
             rank, blocks = getattr(self, f"rank_{side}"), getattr(self, f"{side}_blocks")
             if not 1 <= rank <= min(self.hidden_size, kv_dim) or rank % blocks or kv_dim % blocks:
@@ -225,9 +263,11 @@ class RankPlan:
         bits = sorted({f"{s.k_layout.bits}/{s.v_layout.bits}" for s in self.sites})
         exact = sorted({f"{s.k_layout.sinks}+{s.k_layout.window}/{s.v_layout.sinks}+{s.v_layout.window}"
                         for s in self.sites})
+        axes = sorted({f"{s.k_layout.axis}/{s.v_layout.axis}" for s in self.sites})
+        outliers = sorted({f"{s.k_layout.outliers}/{s.v_layout.outliers}" for s in self.sites})
         return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, budget={self.budget:.3f} of a 16-bit cache "
                 f"at {self.context} tokens, K ranks {ranks_k}, V ranks {ranks_v}, K/V bits {bits}, "
-                f"K/V exact sinks+window {exact}, K/V schemes {schemes}, {self.source})")
+                f"K/V scale axes {axes}, K/V float16 outlier channels {outliers}, K/V exact sinks+window {exact}, K/V schemes {schemes}, {self.source})")
 
     def save(self, path) -> None:
         """Write the plan as one safetensors file, with a checksum of its tensors in the metadata."""
@@ -271,6 +311,8 @@ class RankPlan:
                 meta = _migrate_v1(meta)
             if meta["schema_version"] == 2:
                 meta = _migrate_v2(meta)
+            if meta["schema_version"] == 3:  # its layouts load with the default scale axis, "token"
+                meta = {**meta, "schema_version": 4}
             sites = []
             for i, site_meta in enumerate(meta["sites"]):
                 factors = {}

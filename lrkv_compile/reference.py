@@ -37,13 +37,19 @@ class FactoredLinear(nn.Module):
         latent = self.down(x)
         layout = self.layout
         if not self.stepping:
-            return self.up(fake_quantize(latent, layout.bits, layout.group))
+            return self.up(fake_quantize(latent, layout.bits, layout.group, layout.axis, layout.outliers))
         seen = 0 if self.history is None else self.history.shape[1]
         fresh = latent[:, seen:]
-        quantized = fake_quantize(fresh, layout.bits, layout.group)
         exact = fresh if layout.bits == 16 else fresh.to(exact_dtype(fresh.dtype)).to(fresh.dtype)
-        self.history = quantized if self.history is None else torch.cat((self.history, quantized), dim=1)
         self.exact = exact if self.exact is None else torch.cat((self.exact, exact), dim=1)
+        if layout.axis == "token":
+            quantized = fake_quantize(fresh, layout.bits, layout.group, outliers=layout.outliers)
+            self.history = quantized if self.history is None else torch.cat((self.history, quantized), dim=1)
+        else:  # the blocks this step completes, quantized from their 16-bit copies; an open block reads exact
+            first, end = seen - seen % layout.group, latent.shape[1] // layout.group * layout.group
+            blocks = fake_quantize(self.exact[:, first:end], layout.bits, layout.group, layout.axis, layout.outliers)
+            self.history = torch.cat((self.exact[:, :0] if self.history is None else self.history[:, :first], blocks,
+                                      self.exact[:, max(first, end):]), dim=1)
         slots = torch.arange(latent.shape[1], device=latent.device)[None, :, None]
         held_exact = (slots < layout.sinks) | (slots >= latent.shape[1] - layout.window)
         earlier = torch.where(held_exact, self.exact, self.history)[:, :seen]

@@ -101,10 +101,15 @@ def rotation(kind: str, size: int, seed: int = 0) -> torch.Tensor:
     return mixed * signs
 
 
-def rotate(down: torch.Tensor, up: torch.Tensor, kind: str, blocks: int, seed: int = 0):
+def rotate(down: torch.Tensor, up: torch.Tensor, kind: str, blocks: int, seed: int = 0, keep: int = 0):
     """Fuse a rotation R into the factors: (x down R)(R^T up) = x down up, with R block diagonal over the
     scheme's blocks so a head-wise plan stays head-wise. Spreads outlier channels before quantization
-    (RotateKV / QuaRot); exact before quantization."""
+    (RotateKV / QuaRot); exact before quantization. The first `keep` channels (one block only: the largest
+    singular directions, stored unquantized) are left as they are."""
     block = down.shape[1] // blocks
-    matrix = torch.block_diag(*(rotation(kind, block, seed * blocks + index) for index in range(blocks)))
+    if keep and blocks != 1:
+        raise ValueError(f"keeping {keep} leading channels out of the rotation needs one block, not {blocks}")
+    matrix = torch.block_diag(*(rotation(kind, block - keep, seed * blocks + index) for index in range(blocks)))
+    if keep:
+        matrix = torch.block_diag(torch.eye(keep, dtype=matrix.dtype), matrix)
     return (down.double() @ matrix).float(), (matrix.T @ up.double()).float()

@@ -76,7 +76,8 @@ class _Rewriter:
             latent = self.graph.call_function(torch._C._nn.linear, (projection.x, down_w, None))
             if layout.bits != 16:
                 latent = self.graph.call_function(torch.ops.lrkv.fake_quantize.default, (latent,),
-                                                  {"bits": layout.bits, "group": layout.group})
+                                                  {"bits": layout.bits, "group": layout.group, "axis": layout.axis,
+                                                   "outliers": layout.outliers})
             rebuilt = self.graph.call_function(torch._C._nn.linear, (latent, up_w, projection.bias))
         projection.linear.replace_all_uses_with(rebuilt)
 
@@ -88,19 +89,24 @@ class _Rewriter:
             raise PlanMismatchError(f"LatentCache layer {layer_idx} runs the site the plan lists as layer {planned.layer}")
         for side, rank, layout in (("k", planned.rank_k, planned.k_layout), ("v", planned.rank_v, planned.v_layout)):
             exact = cache[f"{side}_exact"].meta["example_value"]
-            held = (cache[f"latent_{side}"].meta["example_value"].shape[-1],
-                    cache[f"{side}_scale"].meta["example_value"].shape[-1], exact.shape[1] if exact.dim() == 3 else 0)
-            needed = layout.stored_widths(rank) + (layout.exact_slots,)
+            latents = cache[f"latent_{side}"].meta["example_value"]
+            scale = cache[f"{side}_scale"].meta["example_value"]
+            held = (latents.shape[-1], scale.shape[-1], scale.shape[1] if scale.dim() == 3 else 0,
+                    exact.shape[1] if exact.dim() == 3 else 0)
+            needed = (*layout.stored_widths(rank), layout.scale_rows(latents.shape[1]) if layout.bits != 16 else 0,
+                      layout.exact_slots)
             if held != needed:
-                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache's {side.upper()} buffers have widths "
-                                        f"(latents, scales, exact tokens) {held}, the plan's rank {rank} at "
-                                        f"{layout.bits} bits with {layout.sinks} sinks and a window of "
-                                        f"{layout.window} needs {needed}; build the LatentCache from the same plan "
-                                        "the model is compiled with")
+                raise PlanMismatchError(f"layer {layer_idx}: the LatentCache's {side.upper()} buffers have shapes "
+                                        f"(latent width, scale width, scale rows, exact tokens) {held}, the plan's "
+                                        f"rank {rank} at {layout.bits} bits, scales per {layout.axis} in groups of "
+                                        f"{layout.group}, with {layout.sinks} sinks and a window of {layout.window} "
+                                        f"needs {needed}; build the LatentCache from the same plan the model is "
+                                        "compiled with")
         state = {name: cache[name] for name in ("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale",
                                                 "v_zero", "v_exact", "positions", "length")}
         for side, layout in (("k", planned.k_layout), ("v", planned.v_layout)):
-            state.update({f"{side}_bits": layout.bits, f"{side}_group": layout.group, f"{side}_sinks": layout.sinks})
+            state.update({f"{side}_bits": layout.bits, f"{side}_group": layout.group, f"{side}_sinks": layout.sinks,
+                          f"{side}_axis": layout.axis, f"{side}_outliers": layout.outliers})
         name = f"lrkv_site{site.index}"
         weight = site.key.weight
         with self.graph.inserting_before(marker):

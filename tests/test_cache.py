@@ -23,6 +23,16 @@ def test_nbytes_counts_latents_exact_tokens_and_positions():
     exact = 2 * 3 * 5 * 2 * 16 * 2         # two layers and sides, 2 sinks + 3 window tokens in fp16
     assert cache.nbytes() == 2 * 2 * 3 * 10 * codes + exact + positions
     assert cache.nbytes() == pytest.approx(quantized.budget_at(10) * cache.full_cache_nbytes(torch.float16))
+    # keys per channel over blocks of 4 tokens: 3 blocks of 10 slots, one fp16 scale and zero per channel each;
+    # the window is raised to the block (4)
+    per_channel = lrkv.RankPlan.uniform(model, keep=0.5, bits=4, group=4, sinks=2, window=3, axis_k="channel",
+                                        progress=False)
+    assert {(s.k_layout.window, s.v_layout.window) for s in per_channel.sites} == {(4, 3)}
+    cache = lrkv.LatentCache(model, per_channel, max_batch_size=3, max_cache_len=10)
+    keys = 3 * 10 * 16 * 4 // 8 + 3 * 3 * 16 * 2 * 2 + 3 * 6 * 16 * 2
+    values = 3 * 10 * (16 * 4 // 8 + 2 * 2 * 16 // 4) + 3 * 5 * 16 * 2
+    assert cache.nbytes() == 2 * (keys + values) + positions
+    assert cache.nbytes() == pytest.approx(per_channel.budget_at(10) * cache.full_cache_nbytes(torch.float16))
 
 
 def test_latent_cache_without_the_backend_raises():

@@ -85,8 +85,12 @@ def test_plan_validation_names_the_field():
     factors = dict(down_k=site.down_k, up_k=site.up_k, down_v=site.down_v, up_v=site.up_v)
     with pytest.raises(lrkv.PlanError, match="v_layout: bits=5"):
         type(site)(**{**site.metadata(), "v_layout": {"bits": 5}}, **factors)
-    with pytest.raises(lrkv.PlanError, match="group=32 does not divide rank_k=16"):
+    with pytest.raises(lrkv.PlanError, match="group=32 does not divide the 16 quantized channels of rank_k=16"):
         type(site)(**{**site.metadata(), "k_layout": {"bits": 4, "group": 32}}, **factors)
+    with pytest.raises(lrkv.PlanError, match="group=8 does not divide the 12 quantized channels"):
+        type(site)(**{**site.metadata(), "k_layout": {"bits": 4, "group": 8, "outliers": 4}}, **factors)
+    with pytest.raises(lrkv.PlanError, match="outliers=16 needs a joint-scheme side"):
+        type(site)(**{**site.metadata(), "k_layout": {"bits": 4, "group": 8, "outliers": 16}}, **factors)
     with pytest.raises(lrkv.PlanError, match="K latents: bits=5"):
         lrkv.RankPlan.uniform(model, keep=0.5, bits_k=5, progress=False)
     with pytest.raises(lrkv.PlanError, match="calibration batch 0"):

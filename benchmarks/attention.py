@@ -1,0 +1,271 @@
+"""Decode attention alone, on the GPU at hand: lrkv's Triton kernel over latent caches against
+`F.scaled_dot_product_attention(..., enable_gqa=True)` over the full fp16 cache, with the device's copy bandwidth
+measured in the same run. Llama-2-7B (32 x 128, MHA) and Llama-3-8B (32 query / 8 KV heads) attention shapes; one
+layer; random orthonormal factors; caches written by the reference write op (the real layout).
+
+    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--out benchmarks/results]
+
+Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
+the full fp16 cache over the bytes lrkv reads: latents, scales and zero points, positions), lrkv_TBps (bytes lrkv
+reads over its time), copy_TBps. The issue's target at context >= 16K: speedup >= 0.85 x bytes_ratio for 16-bit
+plans, >= 0.8 x for the budget plan. --sweep first times launch geometries at 16K and uses the fastest per plan.
+Writes benchmarks/results/attention-<gpu>.json; never asserts timings.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import re
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+from lrkv_compile.kernels.latent_decode import CONFIGS, fits_in_registers
+from lrkv_compile.lowering import reference
+from lrkv_compile.lowering.quantize import exact_dtype, packed_width
+from lrkv_compile.lowering.triton_decode import DEFAULT, DecodeConfig, decode_attention_with
+
+SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
+SETTINGS = [(16, 4096), (16, 16384), (4, 65536)]
+PLANS = [  # scheme, keep of K and V channels, bits, quantization group, exact sink tokens
+    dict(plan="head keep 0.5", scheme="head", keep_k=0.5, keep_v=0.5, k_bits=16, v_bits=16, group=0, sinks=0),
+    dict(plan="head keep 0.25", scheme="head", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0, sinks=0),
+    dict(plan="budget 0.2", scheme="head", keep_k=0.5, keep_v=1.0, k_bits=4, v_bits=3, group=32, sinks=4),
+    dict(plan="joint keep 0.5", scheme="joint", keep_k=0.5, keep_v=0.5, k_bits=16, v_bits=16, group=0, sinks=0),
+    dict(plan="joint keep 0.25", scheme="joint", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0, sinks=0),
+]
+JOINT_TFLOP_LIMIT = 5.0  # joint keys are rebuilt from every latent channel per KV head: skip rows beyond this
+SWEPT = {(32, 4, 3), (32, 4, 2), (32, 4, 1), (64, 4, 3), (64, 8, 2)}  # of kernels.latent_decode.CONFIGS
+
+
+def _orthonormal_rows(rank, width, generator):
+    q, _ = torch.linalg.qr(torch.randn(width, rank, generator=generator))
+    return q.T.contiguous()  # [rank, width]
+
+
+def factor(scheme, rank_per_head, kv_heads, head_dim, generator):
+    if scheme == "head":
+        return torch.block_diag(*[_orthonormal_rows(rank_per_head, head_dim, generator) for _ in range(kv_heads)])
+    return _orthonormal_rows(rank_per_head * kv_heads, kv_heads * head_dim, generator)
+
+
+def side_bytes(rank, bits, group):
+    """Bytes one slot of one side occupies in the cache."""
+    return 2 * rank if bits == 16 else packed_width(rank, bits) + 4 * (rank // group)
+
+
+def build(shape, plan, batch, context, device):
+    """Keyword arguments of latent_attention for the decode step at slot context - 1, and the bytes it reads."""
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, head_dim, heads = shape["kv_heads"], shape["head_dim"], shape["heads"]
+    rank_k, rank_v = (int(plan[f"keep_{side}"] * head_dim) * kv_heads for side in "kv")
+    sides = {}
+    for side, rank in (("k", rank_k), ("v", rank_v)):
+        bits, group, sinks = plan[f"{side}_bits"], plan["group"], plan["sinks"]
+        if bits == 16:
+            empty = torch.zeros(0, dtype=torch.float16, device=device)
+            sides[side] = [torch.randn(batch, context, rank, dtype=torch.float16, device=device), empty, empty.clone(),
+                           empty.clone()]
+        else:
+            sides[side] = [torch.zeros(batch, context, packed_width(rank, bits), dtype=torch.uint8, device=device),
+                           torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device),
+                           torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device),
+                           torch.zeros(batch, sinks, rank, dtype=exact_dtype(torch.float16), device=device)]
+    positions = torch.arange(context, dtype=torch.int32, device=device).expand(batch, -1).contiguous()
+    layout = dict(k_bits=plan["k_bits"], k_group=max(1, plan["group"]), k_sinks=plan["sinks"], k_axis="token",
+                  k_outliers=0, v_bits=plan["v_bits"], v_group=max(1, plan["group"]), v_sinks=plan["sinks"],
+                  v_axis="token", v_outliers=0)
+    if plan["k_bits"] != 16 or plan["v_bits"] != 16:
+        for begin in range(0, context, 2048):  # quantized as the cache writes them, a chunk at a time
+            end = min(context, begin + 2048)
+            new = {side: torch.randn(batch, end - begin, rank, dtype=torch.float16, device=device)
+                   for side, rank in (("k", rank_k), ("v", rank_v))}
+            reference.latent_write(*sides["k"], *sides["v"], positions, new["k"], new["v"], positions[:, begin:end],
+                                   torch.tensor(begin), **layout)
+        new_k, new_v = new["k"][:, -1:], new["v"][:, -1:]
+    else:
+        new_k, new_v = sides["k"][0][:, -1:].clone(), sides["v"][0][:, -1:].clone()
+    rope = 1.0 / 500000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    kwargs = dict(
+        query=torch.randn(batch, heads, 1, head_dim, dtype=torch.float16, device=device),
+        latent_k=sides["k"][0], k_scale=sides["k"][1], k_zero=sides["k"][2], k_exact=sides["k"][3],
+        latent_v=sides["v"][0], v_scale=sides["v"][1], v_zero=sides["v"][2], v_exact=sides["v"][3],
+        positions=positions, new_k=new_k, new_v=new_v,
+        up_k=factor(plan["scheme"], rank_k // kv_heads, kv_heads, head_dim, generator).to(device, torch.float16),
+        bias_k=None,
+        up_v=factor(plan["scheme"], rank_v // kv_heads, kv_heads, head_dim, generator).to(device, torch.float16),
+        bias_v=None, inv_freq=rope, rope_scale=1.0, length=torch.tensor(context, device=device), attn_mask=None,
+        softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, **layout)
+    read = batch * context * (side_bytes(rank_k, plan["k_bits"], plan["group"])
+                              + side_bytes(rank_v, plan["v_bits"], plan["group"]) + 4)
+    return kwargs, read
+
+
+def joint_tflop(shape, plan, batch, context):
+    """Tensor-core work of rebuilding joint keys: every KV head from every latent channel, once per value chunk."""
+    rank_k, rank_v = (int(plan[f"keep_{side}"] * shape["head_dim"]) * shape["kv_heads"] for side in "kv")
+    return (batch * shape["kv_heads"] * math.ceil(rank_v / 128) * context * 2 * rank_k * shape["head_dim"]) / 1e12
+
+
+def time_ms(fn):
+    """Median milliseconds of fn on the GPU: replayed from a CUDA graph (launch overheads out, as a decode step
+    captured in a graph runs), or timed launch by launch where capture fails."""
+    fn()
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except RuntimeError:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_tbps(device):
+    """Device-to-device copy bandwidth, bytes read plus written: one 1 GiB copy, timed launch by launch."""
+    source = torch.randn(1 << 29, dtype=torch.float16, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * 2 / do_bench(lambda: target.copy_(source), warmup=25, rep=100,
+                                             return_mode="median") / 1e9
+
+
+def sdpa_ms(shape, batch, context, device):
+    query = torch.randn(batch, shape["heads"], 1, shape["head_dim"], dtype=torch.float16, device=device)
+    keys, values = (torch.randn(batch, shape["kv_heads"], context, shape["head_dim"], dtype=torch.float16,
+                                device=device) for _ in range(2))
+    elapsed = time_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+    return elapsed, 2 * keys.numel() * 2
+
+
+def compiled_resources():
+    """Registers and spills of every compiled variant of the decode kernel (diagnostics; empty where this Triton
+    keeps its cache elsewhere)."""
+    from lrkv_compile.kernels import latent_decode
+    found = []
+    try:
+        for caches in latent_decode.latent_decode_kernel.device_caches.values():
+            for kernel in caches[0].values():
+                found.append(dict(regs=kernel.n_regs, spills=kernel.n_spills, warps=kernel.metadata.num_warps,
+                                  stages=kernel.metadata.num_stages, shared=kernel.metadata.shared))
+    except (AttributeError, TypeError, IndexError):
+        pass
+    return found
+
+
+def sweep(kwargs, shape, plan):
+    """Launch geometries at this size, fastest first."""
+    group = shape["heads"] // shape["kv_heads"]
+    v_chunk = min(128, max(16, 1 << (int(plan["keep_v"] * shape["head_dim"]) - 1).bit_length()))
+    results = []
+    for config in CONFIGS:
+        block, warps = config.kwargs["BLOCK_S"], config.num_warps
+        if (block, warps, config.num_stages) not in SWEPT:
+            continue
+        if not fits_in_registers(block, warps, shape["head_dim"], 1 if group == 1 else 16, v_chunk, group == 1):
+            continue
+        candidate = DecodeConfig(block_s=block, num_warps=warps, num_stages=config.num_stages)
+        try:
+            results.append((time_ms(lambda: decode_attention_with(candidate, **kwargs)), candidate))
+        except Exception as error:  # a geometry the compiler rejects is reported, not fatal
+            print(f"  {candidate}: {type(error).__name__}: {str(error)[:200]}")
+    results.sort(key=lambda item: item[0])
+    best = results[0][1]
+    for waves in (1.0, 4.0, 8.0):
+        candidate = dataclasses.replace(best, waves=waves)
+        results.append((time_ms(lambda: decode_attention_with(candidate, **kwargs)), candidate))
+    results.sort(key=lambda item: item[0])
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time launch geometries at 16K first")
+    parser.add_argument("--only", nargs="*", default=list(SHAPES), help="shapes to run")
+    parser.add_argument("--plans", nargs="*", default=[plan["plan"] for plan in PLANS])
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    copy = copy_tbps(device)
+    print(f"{gpu}: device-to-device copy {copy:.2f} TB/s")
+    plans = [plan for plan in PLANS if plan["plan"] in args.plans]
+    chosen, sweeps = {}, []
+    if args.sweep:
+        for name in args.only:
+            for plan in plans:
+                if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5":  # keep 0.5 takes keep 0.25's
+                    continue
+                kwargs, _ = build(SHAPES[name], plan, 16, 16384, device)
+                results = sweep(kwargs, SHAPES[name], plan)
+                chosen[(name, plan["plan"])] = results[0][1]
+                if plan["plan"] == "head keep 0.25":
+                    chosen[(name, "head keep 0.5")] = results[0][1]
+                print(f"sweep {name} {plan['plan']}: " + ", ".join(
+                    f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/x{c.waves:g}"
+                    for ms, c in results[:6]))
+                sweeps.append(dict(shape=name, plan=plan["plan"], results=[
+                    dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))
+                del kwargs
+                torch.cuda.empty_cache()
+    rows, skipped = [], []
+    for name in args.only:
+        shape = SHAPES[name]
+        for batch, context in SETTINGS:
+            full_ms, full_bytes = sdpa_ms(shape, batch, context, device)
+            for plan in plans:
+                where = f"{name} batch {batch} context {context} {plan['plan']}"
+                if plan["scheme"] == "joint" and joint_tflop(shape, plan, batch, context) > JOINT_TFLOP_LIMIT:
+                    skipped.append(f"{where}: joint keys need {joint_tflop(shape, plan, batch, context):.0f} TFLOP "
+                                   f"of rebuild (> {JOINT_TFLOP_LIMIT:g})")
+                    continue
+                free, _ = torch.cuda.mem_get_info(device)
+                if full_bytes * 3 > free:
+                    skipped.append(f"{where}: needs about {full_bytes * 3 / 2**30:.0f} GiB, {free / 2**30:.0f} free")
+                    continue
+                kwargs, read = build(shape, plan, batch, context, device)
+                config = chosen.get((name, plan["plan"]), DEFAULT)
+                lrkv = time_ms(lambda: decode_attention_with(config, **kwargs))
+                error = None
+                if batch * context <= 16 * 4096:  # checked against the reference op where it fits
+                    expected = reference.latent_attention(**kwargs).float()
+                    actual = decode_attention_with(config, **kwargs).float()
+                    error = float((actual - expected).norm() / expected.norm())
+                    del expected, actual
+                ratio = full_bytes / read
+                quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
+                factor_target = 0.8 if quantized else 0.85
+                rows.append(dict(
+                    shape=name, batch=batch, context=context, plan=plan["plan"], scheme=plan["scheme"],
+                    keep=f"{plan['keep_k']:g}/{plan['keep_v']:g}", bits=f"{plan['k_bits']}/{plan['v_bits']}",
+                    lrkv_ms=round(lrkv, 4), sdpa_ms=round(full_ms, 4), speedup=round(full_ms / lrkv, 3),
+                    bytes_ratio=round(ratio, 3), lrkv_TBps=round(read / lrkv / 1e9, 3),
+                    sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),
+                    target=round(factor_target * ratio, 3) if context >= 16384 and plan["scheme"] == "head" else None,
+                    relative_error=error, config=dataclasses.asdict(config)))
+                write(args.out, slug, gpu, copy, rows, skipped, sweeps)
+                print(" ".join(f"{k}={v}" for k, v in rows[-1].items() if k != "config"), flush=True)
+                del kwargs
+                torch.cuda.empty_cache()
+    print(f"\n{'shape':10} {'batch':>5} {'context':>7} {'plan':16} {'bits':6} {'lrkv_ms':>8} {'sdpa_ms':>8} "
+          f"{'speedup':>7} {'bytes_ratio':>11} {'target':>6} {'lrkv_TBps':>9} {'copy_TBps':>9}")
+    for row in rows:
+        target = f"{row['target']:.2f}" if row["target"] is not None else "-"
+        print(f"{row['shape']:10} {row['batch']:>5} {row['context']:>7} {row['plan']:16} {row['bits']:6} "
+              f"{row['lrkv_ms']:>8.3f} {row['sdpa_ms']:>8.3f} {row['speedup']:>7.2f} {row['bytes_ratio']:>11.2f} "
+              f"{target:>6} {row['lrkv_TBps']:>9.2f} {row['copy_TBps']:>9.2f}")
+    for line in skipped:
+        print("skipped:", line)
+    print(f"wrote {write(args.out, slug, gpu, copy, rows, skipped, sweeps)}")
+
+
+def write(folder, slug, gpu, copy, rows, skipped, sweeps):
+    """The JSON results so far (rewritten after every row, so an interrupted run keeps what it measured)."""
+    out = pathlib.Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"attention-{slug}.json"
+    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_TBps=copy, rows=rows, skipped=skipped,
+                                    sweeps=sweeps, kernels=compiled_resources()), indent=1))
+    return path
+
+
+if __name__ == "__main__":
+    main()

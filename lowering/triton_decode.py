@@ -1,0 +1,233 @@
+"""Triton lowering of `latent_attention` for decode (one new token per sequence): input checks, the diagonal block
+structure of the factors, launch geometry, and the value up-projection after the kernel.
+
+`decode_attention(**kwargs)` takes the keyword arguments of `reference.latent_attention` and returns what it
+returns for tokens == 1; anything it does not cover raises NotImplementedError naming what, so the caller can run
+the reference instead. The kernels are `kernels/latent_decode.py`.
+"""
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
+from triton.runtime.errors import OutOfResources
+
+from lrkv_compile.kernels import latent_decode
+
+BITS = (16, 8, 4, 3, 2)
+DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch geometry: slots per tile, warps, pipeline stages, and waves (programs per multiprocessor the split
+    of the slots aims for)."""
+    block_s: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: float = 4.0
+
+
+DEFAULT = DecodeConfig()
+FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
+_BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)
+
+
+def diagonal_blocks(up: torch.Tensor, num_kv_heads: int) -> int:
+    """The most diagonal blocks `up` [rank, kv_heads * head_dim] splits into (rank and heads in equal parts, exact
+    zeros off the blocks): kv_heads for head-wise factors, kv_heads / group_size for group-wise ones, 1 for joint.
+    Read once per tensor version (it synchronizes)."""
+    cached = _BLOCKS.get(up)
+    if cached is not None and cached[0] == up._version:
+        return cached[1]
+    rank = up.shape[0]
+    most = math.gcd(rank, num_kv_heads)
+    blocks = 1
+    if most > 1:
+        mass = up.detach().abs().float().reshape(most, rank // most, most, -1).sum((1, 3)).cpu()  # [most, most]
+        for count in sorted((c for c in range(2, most + 1) if most % c == 0), reverse=True):
+            coarse = mass.reshape(count, most // count, count, most // count).sum((1, 3))
+            if coarse.masked_fill(torch.eye(count, dtype=torch.bool), 0).eq(0).all():
+                blocks = count
+                break
+    _BLOCKS[up] = (up._version, blocks)
+    return blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, blocks, max_chunk):
+    """Kernel arguments and constants of one side (K or V)."""
+    if bits not in BITS:
+        raise NotImplementedError(f"{name}_bits={bits}: the Triton decode kernel reads bits {BITS}")
+    if axis not in ("token", "channel"):
+        raise NotImplementedError(f"{name}_axis={axis!r}: the Triton decode kernel reads 'token' and 'channel' scales")
+    rank = new.shape[-1]
+    block_rank = rank // blocks
+    chunk = max(16, min(_pow2(block_rank), max_chunk))
+    dummy = latent
+    side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new.reshape(new.shape[0], rank).contiguous(),
+                width=rank, sinks=0, window=0, BITS=bits, GROUP=1, FAST=False, EXACT=False, CHANNEL=False,
+                OUTLIERS=0, BLOCK_RANK=block_rank, CHUNK=chunk)
+    if latent.stride(-1) != 1:
+        raise NotImplementedError(f"latent_{name} has a non-contiguous last axis")
+    if bits == 16:
+        if not latent.is_floating_point():
+            raise NotImplementedError(f"{name}_bits=16 needs floating-point latents, got {latent.dtype}")
+        return side
+    if latent.dtype != torch.uint8 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
+        raise NotImplementedError(f"{name}: packed codes must be uint8 with contiguous scales and zero points")
+    channel = axis == "channel"  # a scale per channel and block of `group` slots (KIVI's keys)
+    if not 0 <= outliers < rank:
+        raise NotImplementedError(f"{name}_outliers={outliers} for rank {rank}")
+    if group < 1 or ((rank - outliers) % group and not channel):
+        raise NotImplementedError(f"{name}_group={group} does not divide the {rank - outliers} quantized channels")
+    if group & (group - 1) == 0 and group <= 128 and not channel:
+        chunk = max(chunk, group)
+    # whole groups of whole bytes (3-byte words of 8 codes at 3 bits) per block: contiguous loads (grouped_tile)
+    fast = (not channel and not outliers and group & (group - 1) == 0 and group <= chunk and block_rank % group == 0
+            and (group * bits) % (24 if bits == 3 else 8) == 0)
+    side.update(scale=scale, zero=zero, width=latent.shape[-1], GROUP=group, FAST=fast, CHANNEL=channel,
+                OUTLIERS=outliers, CHUNK=chunk)
+    if exact.numel():
+        if exact.stride(-1) != 1:
+            raise NotImplementedError(f"{name}_exact has a non-contiguous last axis")
+        side.update(exact=exact, sinks=sinks, window=exact.shape[1] - sinks, EXACT=True)
+    return side
+
+
+def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
+                     new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
+                     num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
+                     v_outliers):
+    """`reference.latent_attention` for one new token per sequence, on the Triton kernel (default geometry)."""
+    return decode_attention_with(DEFAULT, **{name: value for name, value in locals().items()})
+
+
+def decode_attention_with(config: DecodeConfig, *, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale,
+                          v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale,
+                          length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks, k_axis,
+                          k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
+    """`decode_attention` with an explicit launch geometry (benchmarks sweep it)."""
+    batch, heads, tokens, head_dim = query.shape
+    device = query.device
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if tokens != 1:
+        raise NotImplementedError(f"tokens={tokens}: the Triton kernel covers decode (one new token) only")
+    if device.type != "cuda" and not interpret:
+        raise NotImplementedError(f"{device.type} tensors: the Triton kernel runs on CUDA (or with TRITON_INTERPRET=1)")
+    if query.dtype not in DTYPES:
+        raise NotImplementedError(f"query dtype {query.dtype}: the Triton kernel takes {list(DTYPES)}")
+    if head_dim & (head_dim - 1) or not 32 <= head_dim <= 256:
+        raise NotImplementedError(f"head_dim={head_dim}: the Triton kernel takes powers of two from 32 to 256")
+    if heads % num_kv_heads or heads // num_kv_heads > 64:
+        raise NotImplementedError(f"{heads} query heads over {num_kv_heads} KV heads")
+    if inv_freq is not None and inv_freq.numel() != head_dim // 2:
+        raise NotImplementedError(f"inv_freq of {inv_freq.numel()} frequencies for head_dim {head_dim} (partial RoPE)")
+    if attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1
+                                  or attn_mask.shape[0] not in (1, batch)):
+        raise NotImplementedError(f"attn_mask of shape {tuple(attn_mask.shape)}: expected [batch|1, 1, 1, slots]")
+    group = heads // num_kv_heads
+    k_blocks = diagonal_blocks(up_k, num_kv_heads)
+    v_blocks = diagonal_blocks(up_v, num_kv_heads) if up_v is not None else 1
+    keys = _side("k", latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers,
+                 k_blocks, 128)
+    values = _side("v", latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers,
+                   v_blocks, 128)
+    v_range = values["BLOCK_RANK"]
+    v_parts = triton.cdiv(v_range, values["CHUNK"])
+    absorb = group == 1  # the query goes into up_k; several query heads share rebuilt keys instead
+    g_pad = 1 if absorb else max(16, _pow2(group))
+
+    if not isinstance(length, torch.Tensor):
+        length = torch.tensor(int(length), device=device)
+    length = length.to(device)
+    capacity = latent_k.shape[1]
+    base = batch * num_kv_heads * v_parts
+    wanted = triton.cdiv(int(config.waves * _multiprocessors(device)), base)
+    splits = max(1, min(wanted, capacity // (2 * config.block_s), 64))
+
+    query = query.contiguous()
+    up = up_k.to(query.dtype).contiguous()
+    mask_kind, mask, mask_sb, mask_ss = 0, query, 0, 0
+    if attn_mask is not None:
+        mask_kind, mask = (1 if attn_mask.dtype == torch.bool else 2), attn_mask
+        mask_sb = attn_mask.stride(0) if attn_mask.shape[0] == batch else 0
+        mask_ss = attn_mask.stride(3)
+    rows = batch * num_kv_heads * splits * group
+    part_acc = torch.empty(rows * v_range, dtype=torch.float32, device=device)
+    part_max = torch.empty(rows, dtype=torch.float32, device=device)
+    part_sum = torch.empty(rows, dtype=torch.float32, device=device)
+    rope = inv_freq is not None
+    qk_scale = softmax_scale * (rope_scale if rope else 1.0)
+    k, v = keys, values
+    kernel = latent_decode.latent_decode_kernel
+    args = (
+        query, query.stride(0), query.stride(1),
+        k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"], k["scale"].stride(0),
+        k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1), k["new"], k["new"].stride(0),
+        v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"], v["scale"].stride(0),
+        v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1), v["new"], v["new"].stride(0),
+        positions, positions.stride(0), up, up.stride(0),
+        bias_k.float().contiguous() if bias_k is not None else query,
+        inv_freq.float().contiguous() if rope else query, mask, mask_sb, mask_ss, length,
+        part_acc, part_max, part_sum,
+        qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])
+    constants = dict(
+        KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=g_pad, HEAD_DIM=head_dim,
+        K_HEADS_PER_BLOCK=num_kv_heads // k_blocks, K_BLOCK_RANK=k["BLOCK_RANK"], K_CHUNK=k["CHUNK"],
+        K_BITS=k["BITS"], K_GROUP=k["GROUP"], K_FAST=k["FAST"], K_EXACT=k["EXACT"], K_CHANNEL=k["CHANNEL"],
+        K_OUTLIERS=k["OUTLIERS"],
+        V_HEADS_PER_BLOCK=num_kv_heads // v_blocks, V_BLOCK_RANK=v_range, V_CHUNK=v["CHUNK"],
+        V_BITS=v["BITS"], V_GROUP=v["GROUP"], V_FAST=v["FAST"], V_EXACT=v["EXACT"], V_CHANNEL=v["CHANNEL"],
+        V_OUTLIERS=v["OUTLIERS"],
+        HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind, ABSORB=absorb,
+        EXACT_ANGLES=query.dtype == torch.float32, FAST_TRIG=not interpret, DTYPE=DTYPES[query.dtype],
+        DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
+        IEEE=query.dtype == torch.float32)
+    grid = (batch * num_kv_heads, splits, v_parts)
+    try:
+        kernel[grid](*args, **constants, BLOCK_S=config.block_s, num_warps=config.num_warps,
+                     num_stages=config.num_stages)
+    except OutOfResources:  # a geometry too large for this shape (wide joint chunks): the smallest one
+        kernel[grid](*args, **constants, BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps,
+                     num_stages=FALLBACK.num_stages)
+    context = torch.empty(batch * heads, v_range, dtype=torch.float32, device=device)
+    chunk = min(_pow2(v_range), 256)
+    latent_decode.combine_splits_kernel[(batch * heads, triton.cdiv(v_range, chunk))](
+        part_acc, part_max, part_sum, context, splits, GROUP_HEADS=group, RANGE=v_range,
+        SPLITS_PAD=_pow2(splits), CHUNK=chunk)
+    return _project_values(context.view(batch, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
+
+
+def _project_values(context, up_v, bias_v, blocks, dtype):
+    """[batch, kv_heads, group, range] fp32 latent context -> the reference's output: @ B_v (+ b_v) per head, or
+    the latent context itself [batch, 1, heads * rank_v] when the output projection absorbed B_v."""
+    batch, kv_heads, group, v_range = context.shape
+    if up_v is None:
+        return context.reshape(batch, 1, kv_heads * group * v_range).to(dtype)
+    rank_v = up_v.shape[0]
+    up = up_v.float().view(rank_v, kv_heads, -1)
+    head_dim = up.shape[-1]
+    if blocks > 1:  # each KV head's own block of rows: [kv_heads, rank_v / blocks, head_dim]
+        heads = torch.arange(kv_heads, device=up.device)
+        up = up.view(blocks, rank_v // blocks, kv_heads, head_dim)[heads // (kv_heads // blocks), :, heads]
+        out = torch.einsum("bkgr,krd->bkgd", context, up)
+    else:
+        out = torch.einsum("bkgr,rkd->bkgd", context, up)
+    if bias_v is not None:
+        out = out + bias_v.float().view(1, kv_heads, 1, head_dim)
+    return out.reshape(batch, kv_heads * group, 1, head_dim).to(dtype)
