@@ -52,12 +52,7 @@ def python_docs_text() -> tuple[str, str]:
 
 def token_batches(tokenizer, text: str, count: int, length: int):
     """`count` rows of `length` consecutive tokens from `text` as one [count, length] tensor."""
-    import torch
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    needed = count * length
-    if len(ids) < needed:
-        raise ValueError(f"text has {len(ids)} tokens, {needed} needed for {count} x {length}")
-    return ids[:needed].view(count, length)
+    return rows_of(tokenizer(text, return_tensors="pt").input_ids[0], count, length, "given")
 
 
 def load_model(path=None, dtype=None):
@@ -84,12 +79,17 @@ def load_model(path=None, dtype=None):
     return model.eval(), tokenizer
 
 
+def _file_ids(tokenizer, paths):
+    """Token ids of the text files at `paths`, read as one stream (files joined by a blank line)."""
+    text = "\n\n".join(Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
 def text_batches(tokenizer, paths, rows: int, length: int):
     """[rows, length] token ids from the text files at `paths` (one stream, cut into rows); fewer rows,
     with a message, when the text is short; an error when it has fewer than `length` tokens."""
     import sys
-    text = "\n\n".join(Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    ids = _file_ids(tokenizer, paths)
     available = len(ids) // length
     if available == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one row of --length {length}")
@@ -106,8 +106,7 @@ def calibration_and_evaluation_ids(tokenizer, paths=None):
     Python docs prose (`python_docs_text`)."""
     if not paths:
         return tuple(tokenizer(text, return_tensors="pt").input_ids[0] for text in python_docs_text())
-    text = "\n\n".join(Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    ids = _file_ids(tokenizer, paths)
     half = len(ids) // 2
     return ids[:half], ids[half:]
 
