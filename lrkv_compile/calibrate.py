@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES, blocks_for, factorize, rotate, whitening_factor
+from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES, blocks_for, rotate, spectrum, truncate, whitening_factor
 from lrkv_compile.passes.sites import find_sites
 from .allocate import (CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, OUTLIER_CHANNELS, candidate_ranks, score, search,
                        with_exact)
@@ -235,9 +235,10 @@ def _layouts(bits, bits_k, bits_v, group, rotation, sinks, window, axis_k, axis_
     return layouts
 
 
-def _factor(weight, whitening, blocks, rank, layout, seed):
-    """The plan's factors of one side: whitened SVD truncated to `rank`, then the layout's rotation fused in."""
-    down, up = factorize(weight, whitening, blocks, rank)
+def _factor(factors, blocks, rank, layout, seed):
+    """The plan's factors of one side: its whitened SVD (`spectrum`) truncated to `rank`, then the layout's
+    rotation fused in."""
+    down, up = truncate(factors, rank)
     return rotate(down, up, layout.rotation, blocks, seed=seed, keep=layout.outliers)
 
 
@@ -310,22 +311,25 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
     params = dict(model.named_parameters())
     weights = {(site.index, side): params[name].detach().float().cpu()
                for site in sites for side, name in (("k", site.k_weight), ("v", site.v_weight))}
-    whitening = {site.index: whitening_factor(stats.grams[site.index] / stats.tokens) if stats is not None else None
-                 for site in sites}
+    spectra = {}  # each side's whitened SVD, once: every rank scored and planned is cut from it
+    for site in tqdm(sites, desc="lrkv calibrate: factorize", disable=not progress, unit="site"):
+        whitening = whitening_factor(stats.grams[site.index] / stats.tokens) if stats is not None else None
+        for side in ("k", "v"):
+            spectra[site.index, side] = spectrum(weights[site.index, side], whitening, blocks[site.index, side])
     if budget is not None:
         full_bytes = sum(2 * 2 * site.num_kv_heads * site.head_dim for site in sites)
-        choices = _allocate(sites, blocks, weights, whitening, stats, budget * full_bytes - POSITION_BYTES, full_bytes,
+        choices = _allocate(sites, blocks, weights, spectra, stats, budget * full_bytes - POSITION_BYTES, full_bytes,
                             method, Layout(bits=2, rotation=rotation or "hadamard", sinks=sinks, window=window),
                             context, progress, model, batches)
     else:
         choices = _keep_choices(sites, blocks, layouts, keep_k, keep_v)
     planned = []
-    for site in tqdm(sites, desc="lrkv calibrate: factorize", disable=not progress, unit="site"):
+    for site in sites:
         factors = {}
         for side in ("k", "v"):
             rank, layout = choices[site.index, side]
             factors[f"down_{side}"], factors[f"up_{side}"] = _factor(
-                weights[site.index, side], whitening[site.index], blocks[site.index, side], rank, layout, site.index)
+                spectra[site.index, side], blocks[site.index, side], rank, layout, site.index)
         planned.append(SitePlan(
             layer=site.index, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
             num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
@@ -381,7 +385,7 @@ def _full_rank(sites, latent_bytes, full_bytes, base: Layout, context) -> dict:
     return {(site.index, side): (rank, layout) for site, rank in zip(sites, full) for side in ("k", "v")}
 
 
-def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, full_bytes, method, base: Layout, context,
+def _allocate(sites, blocks, weights, spectra, stats, latent_bytes, full_bytes, method, base: Layout, context,
               progress, model, batches) -> dict:
     """{(site, side): (rank, layout)} under `latent_bytes` per token at `context` tokens, by `method` (see
     `lrkv_compile.allocate`); every layout has the rotation, sinks and window of `base`. `model` and
@@ -407,8 +411,8 @@ def _allocate(sites, blocks, weights, whitening, stats, latent_bytes, full_bytes
         samples = stats.samples[site.index]
         fisher = stats.fisher[site.index, side] / stats.tokens
 
-        def factor(rank, layout, site=site, side=side, weight=weight):
-            return _factor(weight, whitening[site.index], blocks[site.index, side], rank, layout, site.index)
+        def factor(rank, layout, site=site, side=side):
+            return _factor(spectra[site.index, side], blocks[site.index, side], rank, layout, site.index)
 
         key = (site.index, side, blocks[site.index, side], base.rotation)
         if key not in stats.scored:

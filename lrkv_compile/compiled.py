@@ -35,6 +35,13 @@ class CompiledModel:
 
     def forward(self, *args, **kwargs):
         before = backend.graph_runs
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.dim() == 2 and ids.shape[1] > 1:
+            # Prompts of any length share one prefill graph from the first call on (Dynamo would compile the
+            # first length alone, then recompile for the rest; one-token decode steps keep their own graph).
+            # A slice such as ids[:, :n] has the strides of the whole row, which Dynamo guards on: it is copied.
+            kwargs["input_ids"] = ids = ids.clone(memory_format=torch.contiguous_format)
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
         try:
             out = self._compiled(*args, **kwargs)
         except BackendCompilerFailed as error:

@@ -40,32 +40,39 @@ def whitening_factor(gram: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("calibration Gram matrix is not positive definite even with damping; calibrate on more tokens")
 
 
-def factorize(weight: torch.Tensor, whitening: torch.Tensor | None, blocks: int, rank: int):
-    """Factor weight [out, in] into down [in, rank] and block-diagonal up [rank, out], rank split evenly over blocks.
+def spectrum(weight: torch.Tensor, whitening: torch.Tensor | None, blocks: int):
+    """Each block's (whitened) SVD, once for every rank: (u [blocks, block_out, m], s [blocks, m], v [blocks, in, m])
+    with v = S^-T V (V itself without whitening), m = min(block_out, in). `truncate` cuts factors from it.
 
     whitening: S from `whitening_factor`, or None for plain SVD (an uncalibrated plan).
     """
-    out_features, in_features = weight.shape
+    w = weight.double().reshape(blocks, weight.shape[0] // blocks, -1)
+    u, s, vh = torch.linalg.svd(w @ whitening if whitening is not None else w, full_matrices=False)
+    v = vh.transpose(1, 2)
+    if whitening is not None:
+        v = torch.linalg.solve_triangular(whitening.T, v, upper=True)
+    return u, s, v
+
+
+def truncate(factors, rank: int):
+    """down [in, rank] and block-diagonal up [rank, out] of rank `rank` (split evenly over the blocks) from a
+    `spectrum`."""
+    u, s, v = factors
+    blocks, block_out, largest = u.shape
     if rank % blocks:
         raise ValueError(f"rank {rank} is not divisible into {blocks} blocks")
-    block_rank, block_out = rank // blocks, out_features // blocks
-    if block_rank > min(block_out, in_features):
-        raise ValueError(f"rank {block_rank} per block exceeds the block's size {min(block_out, in_features)}")
-    w = weight.double()
-    down = torch.zeros(in_features, rank, dtype=torch.float64)
-    up = torch.zeros(rank, out_features, dtype=torch.float64)
-    for block in range(blocks):
-        rows = slice(block * block_out, (block + 1) * block_out)
-        cols = slice(block * block_rank, (block + 1) * block_rank)
-        w_block = w[rows]
-        target = w_block @ whitening if whitening is not None else w_block
-        u, s, vh = torch.linalg.svd(target, full_matrices=False)
-        v_r = vh[:block_rank].T  # [in, block_rank]
-        if whitening is not None:
-            v_r = torch.linalg.solve_triangular(whitening.T, v_r, upper=True)  # S^-T V_r
-        down[:, cols] = v_r * s[:block_rank]
-        up[cols, rows] = u[:, :block_rank].T
+    block_rank = rank // blocks
+    if block_rank > largest:
+        raise ValueError(f"rank {block_rank} per block exceeds the block's size {largest}")
+    down = (v[:, :, :block_rank] * s[:, None, :block_rank]).permute(1, 0, 2).reshape(v.shape[1], rank)
+    up = torch.block_diag(*u[:, :, :block_rank].transpose(1, 2))
     return down.float(), up.float()
+
+
+def factorize(weight: torch.Tensor, whitening: torch.Tensor | None, blocks: int, rank: int):
+    """Factor weight [out, in] into down [in, rank] and block-diagonal up [rank, out], rank split evenly over
+    blocks. whitening: S from `whitening_factor`, or None for plain SVD (an uncalibrated plan)."""
+    return truncate(spectrum(weight, whitening, blocks), rank)
 
 
 ROTATIONS = ("none", "hadamard", "orthogonal")

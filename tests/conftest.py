@@ -8,6 +8,9 @@ if not torch.cuda.is_available():
     # which other tests (through torch) may do before tests/test_kernels.py is collected
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # `-n auto`: the cores are shared out among the workers
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo(request):

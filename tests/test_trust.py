@@ -34,10 +34,11 @@ def test_calibrations_leave_no_state_that_turns_the_compiled_model_uncompressed(
         import warnings, torch
         import lrkv_compile as lrkv
         from strategies import VOCAB, build_model
+        torch._dynamo.config.recompile_limit = 3  # the default 8, reached sooner
         model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                                  attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
         batches = torch.randint(0, VOCAB, (2, 16))
-        for keep in (0.25, 0.5, 0.75, 0.5, 0.25, 0.5):
+        for keep in (0.25, 0.5, 0.75, 0.5):
             plan = lrkv.calibrate(model, batches, keep=keep, progress=False)
             lrkv.explain(model, plan, show=False)
             lrkv.RankPlan.uniform(model, keep=keep, progress=False)
@@ -54,11 +55,11 @@ def test_calibrations_leave_no_state_that_turns_the_compiled_model_uncompressed(
                 forward(input_ids=ids[:, :5], use_cache=False)
         print("fallback warned", any(issubclass(w.category, lrkv.LrkvWarning) and "uncompressed" in str(w.message)
                                      for w in caught))
-        for keep in (0.25, 0.5, 0.75, 1.0) * 3:
+        for keep in (0.25, 0.5, 0.75, 1.0, 0.5):
             lm = lrkv.compile(model, lrkv.RankPlan.uniform(model, keep=keep, progress=False))
             with torch.no_grad():
                 lm(input_ids=ids, use_cache=False)
-        print("twelve lrkv.compile calls ok")
+        print("five lrkv.compile calls ok")
     ''')
     result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True,
                             text=True, timeout=600)
@@ -67,7 +68,7 @@ def test_calibrations_leave_no_state_that_turns_the_compiled_model_uncompressed(
     _, to_plan, _, to_full = plan_line.split()
     assert float(to_plan) < 1e-4 and float(to_full) > 1e-2, plan_line
     assert "fallback warned True" in result.stdout, result.stdout + result.stderr[-3000:]
-    assert "twelve lrkv.compile calls ok" in result.stdout
+    assert "five lrkv.compile calls ok" in result.stdout
 
 
 def test_strict_compile_refuses_to_run_eagerly():
