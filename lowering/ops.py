@@ -1,6 +1,7 @@
 """The custom ops the rewritten graph calls. Each has a schema (its Python signature, declared once here
 and called by keyword everywhere), a fake (shape) implementation for tracing, and an implementation;
-today every implementation is the PyTorch reference in `lowering.reference` (Triton kernels come later).
+the PyTorch reference in `lowering.reference` computes each one, and `latent_attention` runs on the Triton
+decode kernel (`lowering.triton_decode`) where its `implementation` argument says so.
 
 Each side's cache state is four tensors: latents (model dtype, or packed uint8 codes), fp16 scale and
 fp16 zero point (empty for 16-bit sides), and `exact` (the sink and recent-window tokens' latents in 16
@@ -12,8 +13,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lrkv_compile.errors import UnrewrittenSiteError
+from lrkv_compile.errors import KernelUnavailableError, UnrewrittenSiteError
 from . import quantize, reference
+
+# who computes latent_attention: "auto" the Triton kernel on CUDA tensors where it covers the step (decode), else
+# the reference; "reference" always the PyTorch reference (the oracle); "triton" the kernel or an error saying why
+# not (on CPU it needs TRITON_INTERPRET=1)
+IMPLEMENTATIONS = ("auto", "reference", "triton")
 
 
 @torch.library.custom_op("lrkv::cache_marker", mutates_args=())
@@ -63,15 +69,28 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      bias_v: Optional[Tensor], inv_freq: Optional[Tensor], rope_scale: float, length: Tensor,
                      attn_mask: Optional[Tensor], softmax_scale: float, num_kv_heads: int, k_bits: int,
                      k_group: int, k_sinks: int, k_axis: str, k_outliers: int, v_bits: int, v_group: int,
-                     v_sinks: int, v_axis: str, v_outliers: int) -> Tensor:
-    """Attention over the latent cache; see `reference.latent_attention` for the contract."""
-    return reference.latent_attention(**locals())  # the op's own arguments, by name
+                     v_sinks: int, v_axis: str, v_outliers: int, implementation: str = "auto") -> Tensor:
+    """Attention over the latent cache; see `reference.latent_attention` for the contract. `implementation`
+    (`IMPLEMENTATIONS`) picks the code that computes it."""
+    arguments = dict(locals())  # the op's own arguments, by name
+    del arguments["implementation"]
+    if implementation == "triton" or implementation == "auto" and query.is_cuda:
+        from . import triton_decode  # needs triton, which CPU-only installs may lack
+        try:
+            return triton_decode.decode_attention(**arguments)
+        except NotImplementedError as why:
+            if implementation == "triton":
+                raise KernelUnavailableError(f"lrkv kernels='triton': {why}; use kernels='auto' to run the "
+                                             "reference op where the kernel does not apply") from None
+    elif implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; choose one of {IMPLEMENTATIONS}")
+    return reference.latent_attention(**arguments)
 
 
 @latent_attention.register_fake
 def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
       bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
-      k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
+      k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, implementation="auto"):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])

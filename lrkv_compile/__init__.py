@@ -4,8 +4,8 @@
     lm = lrkv.compile(model, plan)                   # checks, compiles, raises rather than falls back
     lm.generate(ids, max_new_tokens=64)               # through a LatentCache (lm.cache)
 """
-from .errors import (CacheOverflowError, CorruptPlanError, LrkvError, LrkvWarning, PlanError, PlanMismatchError,
-                     UnrewrittenSiteError)
+from .errors import (CacheOverflowError, CorruptPlanError, KernelUnavailableError, LrkvError, LrkvWarning, PlanError,
+                     PlanMismatchError, UnrewrittenSiteError)
 from .plan import Layout, RankPlan, SitePlan
 from .calibrate import calibrate
 from .cache import LatentCache
@@ -17,4 +17,4 @@ from .report import explain
 
 __all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
            "low_rank_reference", "explain", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
-           "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError"]
+           "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError", "KernelUnavailableError"]

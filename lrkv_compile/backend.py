@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 
 from lrkv_compile.lowering import ops  # noqa: F401  (registers torch.ops.lrkv.*)
+from lrkv_compile.lowering.lower import lower
+from lrkv_compile.lowering.ops import IMPLEMENTATIONS
 from lrkv_compile.passes.rewrite import rewrite
 from lrkv_compile.passes.sites import find_sites
 from .errors import LrkvWarning, PlanError
@@ -18,7 +20,10 @@ from .plan import RankPlan
 from .trace import PRIVATE_NAME
 
 OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
-           "value_path": "'auto' (by cost), 'absorb' (into the output projection) or 'up' (after the reduction)"}
+           "value_path": "'auto' (by cost), 'absorb' (into the output projection) or 'up' (after the reduction)",
+           "kernels": "'auto' (Triton kernels on CUDA where they cover the step, else the reference ops), "
+                      "'reference' or 'triton'",
+           "inductor": "compile the rewritten graph with Inductor: None (default: on CUDA), True or False"}
 _POLICY = {"auto": "auto", "absorb": "always", "up": "never"}
 reports = []  # SiteReports of every graph compiled in this process, newest last
 graph_runs = 0  # calls of graphs this backend compiled: lrkv.compile checks that each forward made one
@@ -26,6 +31,7 @@ _warned_stock_cache = False
 
 
 def resolve_options(options) -> tuple[RankPlan, str]:
+    """The plan and the value-path policy of the backend's options (the lowering options are `lower`'s)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise PlanError(f"unknown lrkv option(s) {sorted(unknown)}; known: {OPTIONS}")
@@ -39,6 +45,10 @@ def resolve_options(options) -> tuple[RankPlan, str]:
     policy = options.get("value_path", "auto")
     if policy not in _POLICY:
         raise PlanError(f"options['value_path']={policy!r}; choose one of {sorted(_POLICY)}")
+    if options.get("kernels", "auto") not in IMPLEMENTATIONS:
+        raise PlanError(f"options['kernels']={options['kernels']!r}; choose one of {IMPLEMENTATIONS}")
+    if options.get("inductor") not in (None, True, False):
+        raise PlanError(f"options['inductor']={options['inductor']!r}; choose None (Inductor on CUDA), True or False")
     return plan, _POLICY[policy]
 
 
@@ -53,7 +63,8 @@ def _counted(forward):
 def lrkv_backend(gm, example_inputs, options=None, **_):
     """Dynamo backend entry point (registered as 'lrkv' through the torch_dynamo_backends entry point)."""
     global _warned_stock_cache
-    plan, policy = resolve_options(dict(options or {}))
+    options = dict(options or {})
+    plan, policy = resolve_options(options)
     sites, unmatched = find_sites(gm)
     for miss in unmatched:
         warnings.warn(f"lrkv: attention at {miss.node} left untouched: {miss.reason}", LrkvWarning, stacklevel=2)
@@ -65,7 +76,7 @@ def lrkv_backend(gm, example_inputs, options=None, **_):
         warnings.warn("lrkv: the model runs with a stock transformers cache, which stores full keys and values: "
                       "results follow the plan but cache memory is NOT reduced. Pass "
                       "past_key_values=lrkv.LatentCache(model, plan, ...) to store latents.", LrkvWarning, stacklevel=2)
-    return _counted(gm.forward)
+    return _counted(lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor")))
 
 
 class _FallbackAlarm(logging.Filter):

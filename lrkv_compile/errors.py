@@ -26,6 +26,10 @@ class UnrewrittenSiteError(LrkvError, RuntimeError):
     back to eager), could not match the site, or a LatentCache was used without the backend."""
 
 
+class KernelUnavailableError(LrkvError, RuntimeError):
+    """kernels='triton' was asked for a step the Triton kernels do not cover (the message says what)."""
+
+
 class LrkvWarning(UserWarning):
     """Something runs, but not as the plan says everywhere (layers left full, memory not reduced, a
     Dynamo fallback); `warnings.simplefilter("error", lrkv.LrkvWarning)` turns them into errors."""

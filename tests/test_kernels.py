@@ -181,3 +181,48 @@ def test_what_the_kernel_does_not_cover_raises_not_implemented(change, what):
         kwargs["k_bits"] = 5
     with pytest.raises(NotImplementedError, match=what):
         triton_decode.decode_attention(**kwargs)
+
+
+def _decode_logits(model, plan, cache, logits, steps, kernels):
+    """Logits of `steps` greedy one-token steps from the prompt's last `logits` [batch, vocab], through `cache`
+    (the model compiled with `kernels`)."""
+    import lrkv_compile as lrkv
+    lm = lrkv.compile(model, plan, kernels=kernels)
+    out, token = [], logits.argmax(-1, keepdim=True)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = lm(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+            token = logits.argmax(-1, keepdim=True)
+    return torch.stack(out, 1)
+
+
+def test_the_kernels_option_runs_the_triton_decode_kernel_in_the_compiled_model(monkeypatch):
+    """kernels='triton' puts the Triton kernel under every decode step of a compiled model and gives the reference
+    op's logits; prefill (which it does not cover) is a KernelUnavailableError naming why; 'reference' never
+    calls the kernel."""
+    import copy
+    import lrkv_compile as lrkv
+    from strategies import VOCAB, build_model
+    model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=32, hidden_size=64,
+                             attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
+    plan = lrkv.calibrate(model, torch.randint(0, VOCAB, (2, 24)), keep=0.5, bits=4, group=16, progress=False)
+    calls = []
+    launch = triton_decode.decode_attention
+    monkeypatch.setattr(triton_decode, "decode_attention", lambda **kwargs: calls.append(1) or launch(**kwargs))
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with pytest.raises(lrkv.KernelUnavailableError, match="tokens=11"):
+        with torch.no_grad():
+            lrkv.compile(model, plan, kernels="triton")(input_ids=ids, use_cache=True,
+                                                      past_key_values=lrkv.LatentCache(model, plan, max_batch_size=2,
+                                                                                       max_cache_len=32))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
+    with torch.no_grad():
+        prompt = lrkv.compile(model, plan, kernels="reference")(input_ids=ids, past_key_values=cache, use_cache=True)
+    twin = copy.deepcopy(cache)
+    calls.clear()
+    want = _decode_logits(model, plan, cache, prompt.logits[:, -1], 4, "reference")
+    assert not calls
+    got = _decode_logits(model, plan, twin, prompt.logits[:, -1], 4, "triton")
+    assert len(calls) == 4 * len(plan.sites)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

@@ -116,6 +116,10 @@ def test_backend_option_errors():
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
     with pytest.raises(Exception, match="unknown lrkv option"):
         torch.compile(model.forward, backend="lrkv", options={"plan": plan, "rank": 3})(input_ids=ids, use_cache=False)
+    with pytest.raises(lrkv.PlanError, match=r"options\['kernels'\]='cuda'; choose one of \('auto', 'reference', 'triton'\)"):
+        lrkv.compile(model, plan, kernels="cuda")
+    with pytest.raises(lrkv.PlanError, match=r"options\['inductor'\]='yes'"):
+        lrkv.compile(model, plan, inductor="yes")
 
 
 def test_up_factors_have_orthonormal_rows():

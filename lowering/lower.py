@@ -1,0 +1,29 @@
+"""The backend's last stage: who computes the latent ops, and what compiles the rest of the rewritten graph.
+
+`kernels` ("auto" | "reference" | "triton", `ops.IMPLEMENTATIONS`) is written into every `latent_attention`
+call. With Inductor (the default for CUDA graphs), the rewritten graph is compiled by `compile_fx`, as
+backend="inductor" compiles any graph: the matmuls, norms and elementwise work around the latent ops are
+fused and tuned, and the latent ops stay opaque calls to their implementations. On CPU the graph runs as
+rewritten unless `inductor=True`.
+"""
+import torch
+
+
+def choose_kernels(gm: torch.fx.GraphModule, kernels: str) -> None:
+    """Set the implementation of every latent_attention call of `gm` to `kernels` (one of `ops.IMPLEMENTATIONS`)."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.lrkv.latent_attention.default:
+            node.kwargs = {**node.kwargs, "implementation": kernels}
+    gm.recompile()
+
+
+def lower(gm: torch.fx.GraphModule, example_inputs, kernels: str = "auto", inductor=None):
+    """The callable the backend returns for the rewritten `gm`: Inductor's compilation of it when `inductor`
+    (None: when the graph's tensors are on CUDA), else its own forward."""
+    choose_kernels(gm, kernels)
+    if inductor is None:
+        inductor = any(isinstance(value, torch.Tensor) and value.is_cuda for value in example_inputs)
+    if not inductor:
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs)
