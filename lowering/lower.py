@@ -26,4 +26,17 @@ def lower(gm: torch.fx.GraphModule, example_inputs, kernels: str = "auto", induc
     if not inductor:
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
+    _name_the_factors(gm)
     return compile_fx(gm, example_inputs)
+
+
+def _name_the_factors(gm: torch.fx.GraphModule) -> None:
+    """AOTAutograd (Inductor's front end) expects every parameter and buffer of a Dynamo graph to carry the
+    source Dynamo lifted it from, and asserts so; the factors the rewrite registered get a source of their own
+    (so they are static inputs, as the model's weights are)."""
+    from torch._dynamo.source import ConstantSource
+    lifted = getattr(gm, "_param_name_to_source", None)
+    if lifted is None:
+        return
+    for name, _ in gm.named_buffers():
+        lifted.setdefault(name, ConstantSource(f"lrkv.{name}"))

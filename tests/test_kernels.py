@@ -207,10 +207,11 @@ def test_the_kernels_option_runs_the_triton_decode_kernel_in_the_compiled_model(
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=32, hidden_size=64,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
     plan = lrkv.calibrate(model, torch.randint(0, VOCAB, (2, 24)), keep=0.5, bits=4, group=16, progress=False)
+    model.to(DEVICE)
     calls = []
     launch = triton_decode.decode_attention
     monkeypatch.setattr(triton_decode, "decode_attention", lambda **kwargs: calls.append(1) or launch(**kwargs))
-    ids = torch.randint(0, VOCAB, (2, 11))
+    ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
     with pytest.raises(lrkv.KernelUnavailableError, match="tokens=11"):
         with torch.no_grad():
             lrkv.compile(model, plan, kernels="triton")(input_ids=ids, use_cache=True,

@@ -1,0 +1,202 @@
+"""Greedy decode steps of a whole model on the GPU at hand: lrkv (its compiled graph, Triton decode kernel under
+Inductor) against transformers' StaticCache (its own SDPA path, eager and compiled with reduce-overhead) and the
+same StaticCache under an attention function that calls SDPA with enable_gqa=True (the fair baseline: the stock
+path copies K/V per query head). Random-weight Llama-3-8B-shaped model (32 layers, 32 query / 8 KV heads,
+head_dim 128, fp16); the caches are filled with random content up to the context (prefill is not timed here),
+then decode steps are timed.
+
+    python benchmarks/generate.py [--context 16384] [--batch 16] [--layers 32] [--steps 20] [--out benchmarks/results]
+    python benchmarks/generate.py --tiny      # a small model on CPU: checks the script, times nothing useful
+
+Rows: path, batch, context, ms_per_step, tokens_per_s, cache_GiB, peak_GiB (torch.cuda.max_memory_allocated over
+the timed steps), compile_s (the first step's time less a timed step's, for compiled paths), kernel_calls_per_step
+(launches of the Triton decode path: one per layer when lrkv's "auto" picked it), and max_batch: the largest
+batch the device's memory would hold at this context, from the measured peak (weights and working set) and the
+cache's bytes per sequence (an estimate, not a run). Writes benchmarks/results/generate-<gpu>.json; never asserts timings.
+"""
+import argparse
+import gc
+import json
+import pathlib
+import re
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+import lrkv_compile as lrkv
+from lrkv_compile.lowering import triton_decode
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=128256, rope_theta=500000.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            vocab_size=512)
+
+
+def sdpa_gqa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: SDPA with enable_gqa=True, no K/V copy per query head."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("sdpa_gqa", sdpa_gqa)
+ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa", sdpa_mask)
+
+kernel_calls = []  # one entry per call of the Triton decode path: shows that "auto" chose the kernel
+_launch = triton_decode.decode_attention
+triton_decode.decode_attention = lambda **kwargs: kernel_calls.append(1) or _launch(**kwargs)
+
+
+def build_model(shape, layers, device, dtype):
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=1 << 20, **shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy of the weights
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def fill_latent(cache, context):
+    """Random latents (random codes, small scales) in every slot before `context - 1`, positions 0.."""
+    generator = torch.Generator(device=cache.positions.device).manual_seed(1)
+    cache.positions.copy_(torch.arange(cache.max_cache_len, dtype=torch.int32, device=cache.positions.device))
+    for layer in cache.layers:
+        for tensor in layer.tensors():
+            if tensor.dtype == torch.uint8:
+                tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator, device=tensor.device,
+                                           dtype=torch.uint8))
+            elif tensor.is_floating_point() and tensor.numel():
+                tensor.copy_(torch.rand(tensor.shape, generator=generator, device=tensor.device) * 0.02)
+        layer.cumulative_length.fill_(context - 1)
+
+
+def fill_static(model, cache, batch, context):
+    """A one-token prefill initialises the StaticCache's buffers; then random keys and values fill them."""
+    with torch.no_grad():
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=model.device), past_key_values=cache,
+              use_cache=True)
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            tensor.normal_(0, 1)
+
+
+def time_steps(step, steps, device):
+    """(seconds of the first call, median seconds of `steps` later calls)."""
+    def timed():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+    first = timed()
+    for _ in range(2):
+        timed()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = sorted(timed() for _ in range(steps))
+    return first, times[len(times) // 2]
+
+
+def measure(path, step, cache_bytes, batch, context, steps, device, compiled):
+    kernel_calls.clear()
+    first, step_s = time_steps(step, steps, device)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    row = dict(path=path, batch=batch, context=context, ms_per_step=1e3 * step_s, tokens_per_s=batch / step_s,
+               cache_GiB=cache_bytes / 2**30, peak_GiB=peak / 2**30,
+               compile_s=first - step_s if compiled else None,
+               kernel_calls_per_step=len(kernel_calls) / (steps + 3))  # Triton decode launches (lrkv paths)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        per_sequence = cache_bytes / batch
+        row["max_batch"] = int((total - (peak - cache_bytes)) // per_sequence)
+    print(json.dumps(row))
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tiny", action="store_true", help="a small model on CPU (checks the script)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        args.context, args.batch, args.layers, args.steps = 64, 2, 2, 3
+    dtype = torch.float32 if args.tiny else torch.float16
+    model = build_model(TINY if args.tiny else LLAMA3_8B, args.layers, device, dtype)
+    batch, context = args.batch, args.context
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    rows = []
+
+    budget = 0.25 if args.tiny else 0.2  # the tiny model's head_dim 32 cannot reach 0.2 at full rank
+    # random weights have no low-rank structure to find: the budget plan is method="none" (full rank, head-wise,
+    # Hadamard-rotated, the most bits that fit), the keep plan plain SVD at half rank per head (16-bit latents)
+    plans = [(f"lrkv budget {budget}", lrkv.calibrate(model, budget=budget, method="none", scheme="head",
+                                                      context=context, progress=False)),
+             ("lrkv keep 0.5", lrkv.RankPlan.uniform(model, keep=0.5, scheme="head", progress=False))]
+    for name, plan in plans:
+        print(name, plan.summary())
+    for name, plan in plans:
+        cache = lrkv.LatentCache(model, plan, max_batch_size=batch, max_cache_len=context)
+        lm = lrkv.compile(model, plan)
+
+        def step(lm=lm, cache=cache):
+            with torch.no_grad():
+                lm(input_ids=token, past_key_values=cache, use_cache=True)
+            for layer in cache.layers:  # every step decodes at the same slot: the timing is one step's
+                layer.cumulative_length.fill_(context - 1)
+        fill_latent(cache, context)
+        rows.append(measure(name, step, cache.nbytes(), batch, context, args.steps, device, compiled=True))
+        del cache, lm, step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    position = torch.full((batch, 1), context - 1, device=device)
+    cache_position = torch.tensor([context - 1], device=device)
+    for implementation in ("sdpa", "sdpa_gqa"):
+        model.config._attn_implementation = implementation
+        label = "StaticCache (transformers' SDPA)" if implementation == "sdpa" else "StaticCache + SDPA enable_gqa"
+        cache = StaticCache(config=model.config, max_cache_len=context)
+        fill_static(model, cache, batch, context)
+        cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        modes = [("eager", model.forward, False)]
+        if not args.tiny:
+            modes.append(("compiled reduce-overhead", torch.compile(model.forward, mode="reduce-overhead",
+                                                                    fullgraph=True), True))
+        for mode, forward, compiled in modes:
+            def step(forward=forward):
+                with torch.no_grad():
+                    forward(input_ids=token, past_key_values=cache, use_cache=True, position_ids=position,
+                            cache_position=cache_position)
+            rows.append(measure(f"{label}, {mode}", step, cache_bytes, batch, context, args.steps, device, compiled))
+        del cache, modes, step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    model.config._attn_implementation = "sdpa"
+    if args.tiny:
+        return
+    gpu = torch.cuda.get_device_name(device)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"generate-{slug}.json"
+    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, layers=args.layers, rows=rows), indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The GPU benchmarks' logic on CPU: `benchmarks/generate.py --tiny` runs every path on a small model (it times
+nothing useful there; the figures come from the GPU)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_generate_benchmark_runs_every_path_on_a_tiny_model():
+    result = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["path"] for row in rows] == ["lrkv budget 0.25", "lrkv keep 0.5",
+                                             "StaticCache (transformers' SDPA), eager",
+                                             "StaticCache + SDPA enable_gqa, eager"]
+    lrkv_cache, full_cache = rows[0]["cache_GiB"], rows[2]["cache_GiB"]
+    # the budget plan's cache against the tiny fp32 model's full one: half of its fraction of a 16-bit cache
+    assert 0.1 < lrkv_cache / full_cache < 0.125
+    assert all(row["tokens_per_s"] > 0 for row in rows)
