@@ -219,15 +219,30 @@ def _project_values(context, up_v, bias_v, blocks, dtype):
     batch, kv_heads, group, v_range = context.shape
     if up_v is None:
         return context.reshape(batch, 1, kv_heads * group * v_range).to(dtype)
-    rank_v = up_v.shape[0]
-    up = up_v.float().view(rank_v, kv_heads, -1)
-    head_dim = up.shape[-1]
-    if blocks > 1:  # each KV head's own block of rows: [kv_heads, rank_v / blocks, head_dim]
-        heads = torch.arange(kv_heads, device=up.device)
-        up = up.view(blocks, rank_v // blocks, kv_heads, head_dim)[heads // (kv_heads // blocks), :, heads]
-        out = torch.einsum("bkgr,krd->bkgd", context, up)
-    else:
-        out = torch.einsum("bkgr,rkd->bkgd", context, up)
+    out = torch.matmul(context, _per_head(up_v, kv_heads, blocks))  # [batch, kv_heads, group, head_dim]
+    head_dim = out.shape[-1]
     if bias_v is not None:
         out = out + bias_v.float().view(1, kv_heads, 1, head_dim)
     return out.reshape(batch, kv_heads * group, 1, head_dim).to(dtype)
+
+
+_PER_HEAD = WeakIdKeyDictionary()  # up_v -> (its _version, blocks, [kv_heads, range, head_dim] float32)
+
+
+def _per_head(up_v, kv_heads, blocks):
+    """The rows of B_v [rank_v, kv_heads * head_dim] each KV head reads, as one float32 [kv_heads, range, head_dim]
+    tensor: its block's rows (head- or group-wise factors) or all of them (joint). Built once per tensor version:
+    a decode step would otherwise spend a gather and a cast per layer on it."""
+    cached = _PER_HEAD.get(up_v)
+    if cached is not None and cached[:2] == (up_v._version, blocks):
+        return cached[2]
+    rank_v = up_v.shape[0]
+    up = up_v.float().view(rank_v, kv_heads, -1)
+    if blocks > 1:  # each KV head's own block of rows
+        heads = torch.arange(kv_heads, device=up.device)
+        up = up.view(blocks, rank_v // blocks, kv_heads, up.shape[-1])[heads // (kv_heads // blocks), :, heads]
+    else:
+        up = up.transpose(0, 1)
+    up = up.contiguous()
+    _PER_HEAD[up_v] = (up_v._version, blocks, up)
+    return up
