@@ -1,7 +1,7 @@
 """The backend's last stage: who computes the latent ops, and what compiles the rest of the rewritten graph.
 
 `kernels` ("auto" | "reference" | "triton", `ops.IMPLEMENTATIONS`) is written into every `latent_attention`
-call. With Inductor (the default for CUDA graphs), the rewritten graph is compiled by `compile_fx`, as
+call. With Inductor (the default when the graph runs on CUDA), the rewritten graph is compiled by `compile_fx`, as
 backend="inductor" compiles any graph: the matmuls, norms and elementwise work around the latent ops are
 fused and tuned, and the latent ops stay opaque calls to their implementations. On CPU the graph runs as
 rewritten unless `inductor=True`.
