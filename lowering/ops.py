@@ -69,7 +69,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      bias_v: Optional[Tensor], inv_freq: Optional[Tensor], rope_scale: float, length: Tensor,
                      attn_mask: Optional[Tensor], softmax_scale: float, num_kv_heads: int, k_bits: int,
                      k_group: int, k_sinks: int, k_axis: str, k_outliers: int, v_bits: int, v_group: int,
-                     v_sinks: int, v_axis: str, v_outliers: int, implementation: str = "auto") -> Tensor:
+                     v_sinks: int, v_axis: str, v_outliers: int, k_norm_weight: Optional[Tensor] = None,
+                     k_norm_offset: float = 0.0, k_norm_eps: float = 0.0, implementation: str = "auto") -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract. `implementation`
     (`IMPLEMENTATIONS`) picks the code that computes it."""
     arguments = dict(locals())  # the op's own arguments, by name
@@ -77,7 +78,12 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
     if implementation == "triton" or implementation == "auto" and query.is_cuda:
         from . import triton_decode  # needs triton, which CPU-only installs may lack
         try:
-            return triton_decode.decode_attention(**arguments)
+            if k_norm_weight is not None:
+                raise NotImplementedError("the decode kernel does not apply a per-head key norm (q/k norm models)")
+            if inv_freq is not None and 2 * inv_freq.shape[-1] != query.shape[-1]:
+                raise NotImplementedError("the decode kernel applies RoPE to every channel, not partial rotary")
+            kernel_arguments = {name: value for name, value in arguments.items() if not name.startswith("k_norm_")}
+            return triton_decode.decode_attention(**kernel_arguments)
         except NotImplementedError as why:
             if implementation == "triton":
                 raise KernelUnavailableError(f"lrkv kernels='triton': {why}; use kernels='auto' to run the "
@@ -90,7 +96,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
 @latent_attention.register_fake
 def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
       bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
-      k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, implementation="auto"):
+      k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, k_norm_weight=None, k_norm_offset=0.0,
+      k_norm_eps=0.0, implementation="auto"):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])

@@ -97,16 +97,24 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
 
 
 def rope_tables(positions, inv_freq, rope_scale, dtype):
-    """cos and sin [..., head_dim] of integer `positions` [...], as transformers' rotary embeddings compute them:
+    """cos and sin [..., rotary_dim] of integer `positions` [...], as transformers' rotary embeddings compute them:
     in float32, angles position * inv_freq repeated over both halves, times the attention scaling, then cast."""
     angles = positions.float()[..., None] * inv_freq.float()
     cos, sin = (angles.cos() * rope_scale).to(dtype), (angles.sin() * rope_scale).to(dtype)
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
-def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads):
-    """Keys of the first slots, rebuilt from their (dequantized) latents: RoPE(c_k B_k + b_k) at each slot's
-    own position.
+def rms_norm(x, weight, offset, eps):
+    """x / rms(x) * (offset + weight) over the last axis, in float32, cast back (transformers' per-head q/k norms)."""
+    x32 = x.float()
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normalized * (offset + weight.float())).to(x.dtype)
+
+
+def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads, norm=None):
+    """Keys of the first slots, rebuilt from their (dequantized) latents: RoPE(norm(c_k B_k + b_k)) at each
+    slot's own position, norm the per-head RMSNorm (weight, offset, eps) of q/k-norm models or None. RoPE turns
+    the first 2 * len(inv_freq) channels of each head (all of them, or partial rotary).
 
     latent_k: [batch, slots, rank_k], positions: [batch, slots] -> [batch, kv_heads, slots, head_dim]
     """
@@ -114,10 +122,14 @@ def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, nu
     keys = latent_k @ up_k.to(latent_k.dtype)
     if bias_k is not None:
         keys = keys + bias_k.to(keys.dtype)
-    keys = keys.view(batch, slots, num_kv_heads, -1).transpose(1, 2)
+    keys = keys.view(batch, slots, num_kv_heads, -1)
+    if norm is not None:
+        keys = rms_norm(keys, *norm)
+    keys = keys.transpose(1, 2)
     if inv_freq is not None:
         cos, sin = rope_tables(positions[:, None], inv_freq, rope_scale, keys.dtype)
-        keys = keys * cos + rotate_half(keys) * sin
+        turned, passed = keys[..., :cos.shape[-1]], keys[..., cos.shape[-1]:]
+        keys = torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
     return keys
 
 
@@ -149,7 +161,7 @@ def _earlier_and_this_step(latent, scale, zero, exact, bits, group, sinks, axis,
 def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k,
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
-                     v_outliers):
+                     v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -158,8 +170,9 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     Tokens of earlier steps are read back from the cache (dequantized, except the sinks and the recent window,
     which it also holds exact); this step's tokens attend to each other with their exact latents, as
     transformers' QuantizedCache and KIVI do with their unquantized residual: quantization costs only what is
-    stored. Keys get RoPE at their stored positions (inv_freq [head_dim / 2] and rope_scale as the model's
-    rotary embedding; inv_freq None: no RoPE).
+    stored. Keys get the model's per-head key norm (k_norm_weight, k_norm_offset, k_norm_eps: `rms_norm`; no
+    norm where k_norm_weight is None), then RoPE at their stored positions (inv_freq [rotary_dim / 2] and
+    rope_scale as the model's rotary embedding; inv_freq None: no RoPE).
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
     """
@@ -167,8 +180,9 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     slots = int(length)
     latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, k_axis,
                                        k_outliers, new_k, slots)
+    norm = None if k_norm_weight is None else (k_norm_weight, k_norm_offset, k_norm_eps)
     keys = reconstruct_keys(latents_k.to(query.dtype), positions[:batch, :slots], inv_freq, rope_scale, up_k, bias_k,
-                            num_kv_heads)
+                            num_kv_heads, norm)
     # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, v_axis,
                                            v_outliers, new_v, slots)

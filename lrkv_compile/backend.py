@@ -71,7 +71,8 @@ def lrkv_backend(gm, example_inputs, options=None, **_):
     warn_left_full(check_sites(plan, sites, unmatched, whole_model=False))
     site_reports = rewrite(gm, sites, plan, example_inputs, policy)
     reports.append(site_reports)
-    if not _warned_stock_cache and any(r.cache == "concat" and r.status == "rewritten" for r in site_reports):
+    if not _warned_stock_cache and any(r.cache in ("concat", "static") and r.status == "rewritten"
+                                     for r in site_reports):
         _warned_stock_cache = True
         warnings.warn("lrkv: the model runs with a stock transformers cache, which stores full keys and values: "
                       "results follow the plan but cache memory is NOT reduced. Pass "

@@ -1,5 +1,5 @@
-"""LatentCache: a transformers Cache that holds only K/V latents, quantized or not (and the positions of
-their tokens).
+"""LatentCache: a transformers Cache that holds K/V latents, quantized or not (and the positions of their
+tokens), for every layer the plan covers, and full keys and values for the others.
 
 Under the lrkv backend each attention site writes [batch, tokens, rank] latents into preallocated
 buffers and attends over them directly; no full-size key or value tensor is ever stored. Its
@@ -8,7 +8,7 @@ buffers and attends over them directly; no full-size key or value tensor is ever
 import warnings
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
 
 from lrkv_compile.lowering import ops
 from lrkv_compile.lowering.quantize import exact_dtype
@@ -79,14 +79,31 @@ class LatentLayer(CacheLayerMixin):
         return self.max_cache_len
 
 
+def _stock_layer(config, max_batch_size, max_cache_len, dtype, device) -> StaticLayer:
+    """A transformers StaticLayer for a layer the plan leaves full, allocated now (not lazily inside a trace)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layer = StaticLayer(max_cache_len=max_cache_len)
+    empty = torch.zeros(max_batch_size, kv_heads, 0, head_dim, dtype=dtype, device=device)
+    layer.lazy_initialization(empty, empty)
+    return layer
+
+
 class LatentCache(Cache):
     """Preallocated latent KV cache for `model` under `plan`.
 
-    nbytes() is what the buffers occupy: per layer and side max_batch_size x max_cache_len x the side's
+    Each layer the plan covers holds latents (`LatentLayer`); a layer it leaves out (a partial plan, or attention
+    the matcher cannot rewrite) holds full keys and values in a transformers `StaticLayer`, so a partly matched
+    model runs with stock layers beside latent ones.
+
+    nbytes() is what the buffers occupy: per latent layer and side max_batch_size x max_cache_len x the side's
     bytes per token (rank values of the model's dtype, or packed codes plus fp16 scales and zero points),
-    the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence.
-    At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is plan.budget when the model
-    is 16-bit or every side is quantized (16-bit sides are held in the model's dtype).
+    the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence; per
+    stock layer its full keys and values.
+    At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is plan.budget when the plan
+    covers every layer and the model is 16-bit or every side is quantized (16-bit sides are held in the model's
+    dtype).
     """
 
     def __init__(self, model, plan: RankPlan, max_batch_size: int = 1, max_cache_len: int = 2048,
@@ -97,11 +114,10 @@ class LatentCache(Cache):
             raise ValueError(f"max_cache_len={max_cache_len!r} must be an integer >= 1")
         check_parameters(plan, model)
         model_layer_count = model_layers(model)
-        if len(plan.sites) != model_layer_count:
-            raise PlanMismatchError(
-                f"the plan covers layers 0-{len(plan.sites) - 1} of the model's {model_layer_count}; a LatentCache "
-                f"stores latents for every layer, so it needs a plan for all {model_layer_count} (a partial plan "
-                "runs only with a stock cache, which does not reduce memory)")
+        beyond = [site.layer for site in plan.sites if site.layer >= model_layer_count]
+        if beyond:
+            raise PlanMismatchError(f"the plan lists layers {beyond}, but the model has {model_layer_count} layers; "
+                                    "make the plan on this model, or carry it over with lrkv.transfer")
         reference = model.get_parameter(plan.sites[0].k_weight)
         dtype = dtype or reference.dtype
         device = device or reference.device
@@ -123,8 +139,12 @@ class LatentCache(Cache):
                     torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
                     if quantized and layout.exact_slots else empty())
 
-        layers = [LatentLayer(buffers(site.rank_k, site.k_layout), buffers(site.rank_v, site.v_layout), positions,
-                              site.layer) for site in plan.sites]
+        planned = {site.layer: site for site in plan.sites}
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        layers = [LatentLayer(buffers(planned[index].rank_k, planned[index].k_layout),
+                              buffers(planned[index].rank_v, planned[index].v_layout), positions, index)
+                  if index in planned else _stock_layer(config, max_batch_size, max_cache_len, dtype, device)
+                  for index in range(model_layer_count)]
         super().__init__(layers=layers)
         self.plan, self.dtype, self.positions = plan, dtype, positions
         self._capacity = (max_batch_size, max_cache_len)
@@ -144,21 +164,26 @@ class LatentCache(Cache):
         return self._capacity[1]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: every layer's buffers, then the positions all layers share (once)."""
+        """Beam search: every layer's buffers, then the positions all latent layers share (once)."""
         super().reorder_cache(beam_idx)
         if self.get_seq_length() > 0:
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
             for layer in self.layers:
-                layer.positions = self.positions
+                if isinstance(layer, LatentLayer):
+                    layer.positions = self.positions
 
     def nbytes(self) -> int:
         """Bytes held by the cache's buffers (its capacity)."""
-        tensors = [t for layer in self.layers for t in layer.tensors()] + [self.positions]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [t for layer in self.layers
+                   for t in (layer.tensors() if isinstance(layer, LatentLayer) else (layer.keys, layer.values))]
+        return sum(t.numel() * t.element_size() for t in tensors + [self.positions])
 
     def full_cache_nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes a full (uncompressed) K/V cache of the same capacity would hold, in `dtype` (default: the
         cache's dtype)."""
         element = (dtype or self.dtype).itemsize
-        per_token = sum(2 * site.num_kv_heads * site.head_dim for site in self.plan.sites)
+        planned = {site.layer: site for site in self.plan.sites}
+        per_token = sum(2 * planned[index].num_kv_heads * planned[index].head_dim if index in planned
+                        else layer.keys.shape[1] * (layer.keys.shape[-1] + layer.values.shape[-1])
+                        for index, layer in enumerate(self.layers))
         return self.max_batch_size * self.max_cache_len * per_token * element

@@ -4,6 +4,8 @@
     out = lm.generate(ids, max_new_tokens=64)     # a LatentCache sized for the call is made for you
     lm.cache.nbytes()
 """
+import inspect
+
 import torch
 from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
@@ -82,7 +84,13 @@ class CompiledModel:
                                                        max_cache_len=capacity)
         had_forward = "forward" in self.model.__dict__
         previous = self.model.__dict__.get("forward")
-        self.model.forward = self.forward  # generate() calls model.forward; set only for this call
+
+        def forward(*args, **kwargs):
+            return self.forward(*args, **kwargs)
+        # generate() reads the forward's signature to decide which inputs to prepare (position_ids from the
+        # attention mask, for example), so this one shows the model's
+        forward.__signature__ = inspect.signature(self.model.forward)
+        self.model.forward = forward  # generate() calls model.forward; set only for this call
         try:
             return self.model.generate(input_ids, past_key_values=past_key_values, **kwargs)
         finally:

@@ -93,7 +93,7 @@ def check_sites(plan: RankPlan, sites, unmatched, whole_model: bool = True) -> l
 
 def warn_left_full(left_full) -> None:
     if left_full:
-        warnings.warn(f"lrkv: layers {[site.index for site in left_full]} are not in the plan and stay full "
+        warnings.warn(f"lrkv: layers {[site.layer for site in left_full]} are not in the plan and stay full "
                       f"(uncompressed): {_listed(site.k_weight for site in left_full)}", LrkvWarning, stacklevel=3)
 
 
@@ -105,14 +105,13 @@ def model_layers(model) -> int:
 
 def trace_sites(model, plan: RankPlan = None):
     """(sites, unmatched) of the graph the backend will see: a prefill through a LatentCache of `plan`
-    (without a cache when there is no plan, or the plan leaves layers full and so needs a stock cache)."""
+    (without a cache when there is no plan)."""
     from .cache import LatentCache
     from .trace import capture
     from lrkv_compile.passes.sites import find_sites
     probe = torch.arange(8, device=next(model.parameters()).device)[None]
-    covers_all = plan is not None and len(plan.sites) == model_layers(model)
     cache = None
-    if covers_all:
+    if plan is not None:
         with warnings.catch_warnings():  # a probe's cache: its size says nothing about the user's
             warnings.simplefilter("ignore", LrkvWarning)
             cache = LatentCache(model, plan, max_batch_size=1, max_cache_len=16)

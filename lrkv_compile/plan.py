@@ -228,11 +228,14 @@ class RankPlan:
         check_context(self.context)
         if not self.sites:
             raise PlanError("a plan needs at least one site")
+        previous = -1
         for position, site in enumerate(self.sites):
             if not isinstance(site, SitePlan):
                 raise PlanError(f"sites[{position}] is a {type(site).__name__}, expected SitePlan")
-            if site.layer != position:
-                raise PlanError(f"sites[{position}].layer={site.layer}; sites must be listed in layer order")
+            if site.layer <= previous:
+                raise PlanError(f"sites[{position}].layer={site.layer} after layer {previous}; sites must be listed "
+                                "in increasing layer order (layers a plan leaves out stay full)")
+            previous = site.layer
 
     @property
     def keep(self) -> float:

@@ -6,9 +6,18 @@ from lrkv_compile.passes.rewrite import choose_value_path
 from .fit import check_parameters, check_sites, trace_sites, warn_left_full
 
 
+def _key_chain(site) -> str:
+    parts = (["q/k norm"] if site.key.norm is not None else []) + (
+        ["no RoPE"] if site.rope is None else ["RoPE" if site.rope.rotary_dim == site.head_dim
+                                               else f"partial RoPE ({site.rope.rotary_dim} of {site.head_dim})"])
+    return ", ".join(parts)
+
+
 def explain(model, plan=None, show=True) -> list[dict]:
-    """Report every SDPA call of the model's graph: matched sites (with the plan's ranks and the chosen value
-    path) and unmatched ones with the reason. Returns the rows; prints them as a table when `show`.
+    """Report every SDPA call of the model's graph: matched sites (by the model's layer index, with the plan's
+    ranks, the chosen value path and the cache bytes per token) and unmatched ones with the reason. Returns the
+    rows; prints them as a table when `show`. Bytes per token count 2 per 16-bit value (a full fp16 cache's
+    layer holds 2 x kv_heads x head_dim values per token), at the plan's context.
 
     With a plan, the graph is the one generation through a LatentCache gives, and after the table the plan is
     checked against it (`lrkv.check`'s errors and warnings)."""
@@ -17,23 +26,25 @@ def explain(model, plan=None, show=True) -> list[dict]:
     sites, unmatched = trace_sites(model, plan)
     rows = []
     for site in sites:
-        row = {"site": site.index, "status": "matched", "k_weight": site.k_weight,
-               "rope": "rotate-half" if site.rope else "none", "heads": f"{site.num_heads}/{site.num_kv_heads}",
-               "head_dim": site.head_dim, "bias": site.k_bias is not None}
+        full_bytes = 2 * 2 * site.num_kv_heads * site.head_dim
+        row = {"layer": site.layer, "status": "matched", "k_weight": site.k_weight, "key chain": _key_chain(site),
+               "heads": f"{site.num_heads}/{site.num_kv_heads}", "head_dim": site.head_dim,
+               "bias": site.k_bias is not None, "bytes/token": f"{full_bytes} (full)"}
         planned = plan.site_for(site.k_weight) if plan is not None else None
         if planned is not None:
             row.update(rank_k=planned.rank_k, rank_v=planned.rank_v, scheme=f"{planned.k_scheme}/{planned.v_scheme}",
                        bits=f"{planned.k_layout.bits}/{planned.v_layout.bits}",
-                       value_path=choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v))
+                       value_path=choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v),
+                       **{"bytes/token": f"{planned.bytes_per_token(plan.context):.1f} of {full_bytes}"})
         elif plan is not None:
             row["status"] = "matched, not in plan (left untouched)"
         rows.append(row)
-    rows += [{"site": "-", "status": f"unmatched (left untouched): {miss.reason}", "k_weight": miss.node}
+    rows += [{"layer": "-", "status": f"unmatched (left untouched): {miss.reason}", "k_weight": miss.node}
              for miss in unmatched]
     if show:
         table = Table(title=f"lrkv: {len(sites)} attention sites matched, {len(unmatched)} unmatched")
-        columns = ["site", "status", "k_weight", "rope", "heads", "head_dim", "rank_k", "rank_v", "bits", "scheme",
-                   "value_path"]
+        columns = ["layer", "status", "k_weight", "key chain", "heads", "head_dim", "rank_k", "rank_v", "bits",
+                   "scheme", "value_path", "bytes/token"]
         for column in columns:
             table.add_column(column)
         for row in rows:

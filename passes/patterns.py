@@ -35,32 +35,111 @@ def dtype_of(node: Node):
 
 
 @dataclass
+class Failed:
+    """A match that did not happen, and why (each variant axis's matcher returns its match or this)."""
+    reason: str
+
+
+@dataclass
+class RmsNorm:
+    """out = x / rms(x) * (offset + weight) over the last axis, computed in float32 (a per-head q/k norm:
+    Qwen3's offset 0, Gemma's 1 for its (1 + weight) scale)."""
+    x: Node
+    weight: Node
+    eps: float
+    offset: float
+    out: Node
+
+
+_CASTS = {"to", "float", "type_as", "half", "bfloat16"}
+
+
+def _uncast(node):
+    while is_method(node, _CASTS):
+        node = node.args[0]
+    return node
+
+
+def _rms_normalized(node):
+    """(x, eps) for x * rsqrt(mean(x ** 2, -1, keepdim=True) + eps) (x possibly cast), else None."""
+    if not is_function(node, {operator.mul, torch.mul}) or len(node.args) != 2:
+        return None
+    for x, inverse in (node.args, node.args[::-1]):
+        if not (is_function(inverse, {torch.rsqrt}) or is_method(inverse, {"rsqrt"})):
+            continue
+        total = inverse.args[0]
+        if not is_function(total, {operator.add, torch.add}) or len(total.args) != 2:
+            continue
+        for mean, eps in (total.args, total.args[::-1]):
+            if not isinstance(eps, float) or not (is_method(mean, {"mean"}) or is_function(mean, {torch.mean})):
+                continue
+            dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+            if dims not in (-1, [-1], (-1,)) or not mean.kwargs.get("keepdim", False):
+                continue
+            square = mean.args[0]
+            if (is_method(square, {"pow"}) or is_function(square, {torch.pow})) and square.args[1:] == (2,) \
+                    and square.args[0] is x:
+                return x, eps
+    return None
+
+
+def match_rms_norm(node) -> Optional[RmsNorm]:
+    """The RMSNorm forms of transformers' per-head q/k norms: weight * normalized(x.float()).to(dtype) (Qwen3,
+    Llama's RMSNorm) and (normalized(x.float()) * (1.0 + weight.float())).type_as(x) (Gemma)."""
+    out = node
+    node = _uncast(node)
+    if not is_function(node, {operator.mul, torch.mul}) or len(node.args) != 2:
+        return None
+    for normalized, scale in (node.args, node.args[::-1]):
+        found = _rms_normalized(_uncast(normalized)) if isinstance(normalized, Node) else None
+        if found is None:
+            continue
+        offset, weight = 0.0, _uncast(scale)
+        if is_function(weight, {operator.add, torch.add}) and len(weight.args) == 2:
+            constant = [a for a in weight.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+            parameter = [_uncast(a) for a in weight.args if isinstance(a, Node)]
+            if len(constant) != 1 or len(parameter) != 1:
+                continue
+            offset, weight = float(constant[0]), parameter[0]
+        if isinstance(weight, Node) and weight.op in ("placeholder", "get_attr") and len(shape_of(weight) or ()) == 1:
+            return RmsNorm(x=_uncast(found[0]), weight=weight, eps=found[1], offset=offset, out=out)
+    return None
+
+
+@dataclass
 class Projection:
-    """linear(x, weight, bias) -> view as heads -> transpose(1, 2): [batch, heads, tokens, head_dim]."""
+    """linear(x, weight, bias) -> view as heads -> transpose(1, 2): [batch, heads, tokens, head_dim], with an
+    optional per-head RMSNorm before or after the transpose (q/k norm)."""
     linear: Node
     x: Node
     weight: Node
     bias: Optional[Node]
-    heads_out: Node  # the transposed [batch, heads, tokens, head_dim] node
+    heads_out: Node  # the [batch, heads, tokens, head_dim] node
+    norm: Optional[RmsNorm] = None
 
 
-def match_head_projection(node) -> Optional[Projection]:
-    if not (is_method(node, {"transpose"}) and tuple(node.args[1:]) in {(1, 2), (2, 1)}):
-        return None
-    split = node.args[0]
+def match_head_projection(node) -> Projection | Failed:
+    norm = match_rms_norm(node)
+    transposed = norm.x if norm else node
+    if not (is_method(transposed, {"transpose"}) and tuple(transposed.args[1:]) in {(1, 2), (2, 1)}):
+        return Failed("not a projection split into heads (linear -> view -> transpose)")
+    split = transposed.args[0]
+    if norm is None:
+        norm = match_rms_norm(split)
+        split = norm.x if norm else split
     if not is_method(split, RESHAPE_METHODS):
-        return None
+        return Failed("not a projection split into heads (linear -> view -> transpose)")
     linear = split.args[0]
     if not is_function(linear, LINEAR_TARGETS):
-        return None
+        return Failed("the heads come from another operation than a linear projection (e.g. a fused qkv split)")
     args = list(linear.args) + [None] * (3 - len(linear.args))
     weight = linear.kwargs.get("weight", args[1])
     bias = linear.kwargs.get("bias", args[2])
     if not isinstance(weight, Node) or weight.op not in ("placeholder", "get_attr"):
-        return None
+        return Failed("the projection's weight is computed, not a parameter")
     if bias is not None and (not isinstance(bias, Node) or bias.op not in ("placeholder", "get_attr")):
-        return None
-    return Projection(linear=linear, x=args[0], weight=weight, bias=bias, heads_out=node)
+        return Failed("the projection's bias is computed, not a parameter")
+    return Projection(linear=linear, x=args[0], weight=weight, bias=bias, heads_out=node, norm=norm)
 
 
 def _is_slice_of(node, source, start, stop) -> bool:
@@ -90,14 +169,16 @@ def is_rotate_half(node, x: Node, head_dim: int) -> bool:
 
 @dataclass
 class Rope:
-    """out = x * cos + rotate_half(x) * sin."""
+    """out = x * cos + rotate_half(x) * sin over the first `rotary_dim` channels of x; with partial rotary
+    (rotary_dim < head_dim: GPT-NeoX, StableLM, Phi) the rest pass through: out = cat(rotated, x[..., rotary_dim:])."""
     x: Node
     cos: Node
     sin: Node
     out: Node
+    rotary_dim: int
 
 
-def match_rope(node) -> Optional[Rope]:
+def _rotate_half_rope(node) -> Optional[Rope]:
     if not is_function(node, {operator.add, torch.add}) or len(node.args) != 2:
         return None
     for straight, rotated in (node.args, node.args[::-1]):
@@ -109,7 +190,25 @@ def match_rope(node) -> Optional[Rope]:
                 continue
             for rot, sin in (rotated.args, rotated.args[::-1]):
                 if is_rotate_half(rot, x, shape[-1]) and isinstance(cos, Node) and isinstance(sin, Node):
-                    return Rope(x=x, cos=cos, sin=sin, out=node)
+                    return Rope(x=x, cos=cos, sin=sin, out=node, rotary_dim=shape[-1])
+    return None
+
+
+def match_rope(node) -> Optional[Rope]:
+    """Rotate-half RoPE over all channels, or over the first ones with the rest concatenated behind (partial)."""
+    rope = _rotate_half_rope(node)
+    if rope is not None or not is_function(node, {torch.cat}):
+        return rope
+    parts = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    if dim not in (-1, 3) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return None
+    rope, passed = _rotate_half_rope(parts[0]), parts[1]
+    if rope is None or not is_function(rope.x, {operator.getitem}) or not isinstance(rope.x.args[0], Node):
+        return None
+    whole, width = rope.x.args[0], rope.rotary_dim
+    if _is_slice_of(rope.x, whole, None, width) and _is_slice_of(passed, whole, width, None):
+        return Rope(x=whole, cos=rope.cos, sin=rope.sin, out=node, rotary_dim=width)
     return None
 
 

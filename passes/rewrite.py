@@ -123,7 +123,9 @@ class _Rewriter:
         with self.graph.inserting_before(site.sdpa):
             attention = self.graph.call_function(torch.ops.lrkv.latent_attention.default, kwargs={
                 **state, **new, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
-                "bias_k": site.key.bias, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
+                "bias_k": site.key.bias, "k_norm_weight": site.key.norm.weight if site.key.norm else None,
+                "k_norm_offset": site.key.norm.offset if site.key.norm else 0.0,
+                "k_norm_eps": site.key.norm.eps if site.key.norm else 0.0, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
                 "bias_v": None if absorb else site.value.bias, "attn_mask": site.attn_mask,
                 "inv_freq": site.rope_source.inv_freq if site.rope_source else None,
                 "rope_scale": site.rope_source.scale if site.rope_source else 1.0,

@@ -1,9 +1,12 @@
 """Find every attention site of a Dynamo FX graph by structure, one record per site.
 
-A site is: K and V head projections (linear -> view -> transpose, bias optional), optional
-rotate-half RoPE on keys (and queries), a cache (none, a stock concat cache, or the lrkv latent
-cache marker), SDPA with or without GQA, and the output projection behind it. Anything else is
-left alone and reported with the reason.
+A site is matched one variant axis at a time, each matcher returning its typed match or a `Failed` with the
+reason: attention (SDPA, with or without GQA), cache (none, a stock concat or preallocated cache, or the
+lrkv latent cache marker), key chain (a head projection with optional bias, an optional per-head RMSNorm
+before or after the head transpose, then rotate-half RoPE over all or the first channels, or none) and the
+value projection.
+The output projection behind SDPA is recorded when there is one. Anything else is left alone and reported
+with the reason.
 """
 import operator
 import re
@@ -14,7 +17,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from lrkv_compile.signature import SiteSignature
-from .patterns import (SDPA_TARGETS, RopeSource, follow_layout_chain, is_function, match_head_projection, match_rope,
+from .patterns import (SDPA_TARGETS, Failed, RopeSource, follow_layout_chain, is_function, is_method,
+                       match_head_projection, match_rope,
                        match_rope_source, shape_of, unwrap_repeat_kv, unwrap_slot_crop)
 
 CACHE_MARKER = "lrkv.cache_marker"
@@ -22,15 +26,16 @@ CACHE_MARKER = "lrkv.cache_marker"
 
 @dataclass
 class AttentionSite:
-    index: int                      # order of execution among matched sites (= the model's layer index)
+    index: int                      # order of execution among matched sites
+    layer: Optional[int]            # the model's layer index (the LatentCache's, else from the weight's name)
     sdpa: Node
     query: Node
     key: object                     # patterns.Projection
     value: object
     rope: Optional[object]           # RoPE on the new keys, None for models without it
     rope_source: Optional[RopeSource]  # the positions and frequencies its cos/sin come from (latent sites: always)
-    cache: str                      # "none" | "concat" | "latent"
-    cache_nodes: tuple = ()         # concat: (cat_k, cat_v); latent: (marker, getitem_k, getitem_v)
+    cache: str                      # "none" | "concat" | "static" (stock caches) | "latent"
+    cache_nodes: tuple = ()         # concat: (cat_k, cat_v); static: (write_k, write_v); latent: (marker,)
     k_weight: str = ""
     v_weight: str = ""
     k_bias: Optional[str] = None
@@ -87,39 +92,112 @@ def _split_cache(node: Node):
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
         if isinstance(parts, (list, tuple)) and len(parts) == 2 and dim in (-2, 2):
             return "concat", parts[1], (node,)
+    if isinstance(node, Node):  # a preallocated stock cache (StaticLayer): buffer.index_copy_(2, slots, new)
+        writes = [user for user in node.users if is_method(user, {"index_copy_"}) and user.args[0] is node
+                  and user.args[1] in (2, -2) and len(user.args) == 4]
+        if len(writes) == 1:
+            return "static", writes[0].args[3], (writes[0],)
     return "none", node, ()
 
 
-def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
+@dataclass
+class Attention:
+    """The attention axis: SDPA's operands and settings."""
+    query: Node
+    key: Node
+    value: Node
+    mask: Optional[Node]
+    scale: Optional[float]
+    is_causal: bool
+    enable_gqa: bool
+
+
+def match_attention(sdpa: Node) -> Attention | Failed:
     args = list(sdpa.args) + [None] * 6
-    query, key_in, value_in = (sdpa.kwargs.get(k, args[i]) for i, k in enumerate(("query", "key", "value")))
+    query, key, value = (sdpa.kwargs.get(k, args[i]) for i, k in enumerate(("query", "key", "value")))
     if sdpa.kwargs.get("dropout_p", args[4] or 0.0) != 0.0:
-        return "attention dropout is on (a model in training mode); call model.eval()"
-    cropped = unwrap_slot_crop(key_in) is not key_in
-    if cropped != (unwrap_slot_crop(value_in) is not value_in):
-        return "keys and values are cropped to different slots"
-    key_in, value_in = unwrap_slot_crop(key_in), unwrap_slot_crop(value_in)
-    repeated = unwrap_repeat_kv(key_in) is not key_in
-    k_cache, k_new, k_nodes = _split_cache(unwrap_repeat_kv(key_in))
-    v_cache, v_new, v_nodes = _split_cache(unwrap_repeat_kv(value_in))
-    if k_cache != v_cache:
-        return f"keys and values use different caches ({k_cache} / {v_cache})"
-    if k_cache == "latent" and sdpa.kwargs.get("is_causal", args[5]) and not cropped:
+        return Failed("attention dropout is on (a model in training mode); call model.eval()")
+    return Attention(query, key, value, sdpa.kwargs.get("attn_mask", args[3]), sdpa.kwargs.get("scale"),
+                     bool(sdpa.kwargs.get("is_causal", args[5])), bool(sdpa.kwargs.get("enable_gqa", False)))
+
+
+@dataclass
+class CacheMatch:
+    """The cache axis: none, a stock concat cache or the LatentCache marker, between the new K/V and SDPA."""
+    kind: str          # "none" | "concat" | "static" | "latent"
+    new_k: Node
+    new_v: Node
+    nodes: tuple       # concat: (cat_k, cat_v); static: (write_k, write_v); latent: (marker,)
+    cropped: bool      # keys/values cropped to the query length (transformers' SDPA path, empty static cache)
+    repeated: bool     # K/V repeated per query head (repeat_kv)
+
+
+def match_cache(key: Node, value: Node, is_causal: bool) -> CacheMatch | Failed:
+    cropped = unwrap_slot_crop(key) is not key
+    if cropped != (unwrap_slot_crop(value) is not value):
+        return Failed("keys and values are cropped to different slots")
+    key, value = unwrap_slot_crop(key), unwrap_slot_crop(value)
+    repeated = unwrap_repeat_kv(key) is not key
+    k_kind, new_k, k_nodes = _split_cache(unwrap_repeat_kv(key))
+    v_kind, new_v, v_nodes = _split_cache(unwrap_repeat_kv(value))
+    if k_kind != v_kind:
+        return Failed(f"keys and values use different caches ({k_kind} / {v_kind})")
+    if k_kind == "latent" and is_causal and not cropped:
         # SDPA's is_causal aligns the causal mask top-left; the latent attention aligns it to the newest slot.
         # The two agree only when keys are cropped to the queries (a prefill into an empty cache).
-        return "is_causal=True over a cache longer than the queries (top-left aligned causal mask)"
-    if k_cache == "latent" and k_nodes[0] is not v_nodes[0]:
-        return "keys and values come from different LatentCache updates"
-    rope = match_rope(k_new)
-    key = match_head_projection(rope.x if rope else k_new)
-    if key is None:
-        return ("keys are neither rotate-half RoPE over a head projection nor a plain head projection "
-                "(interleaved or partial RoPE, or an unknown layout)")
-    value = match_head_projection(v_new)
-    if value is None:
-        return "values are not a head projection (linear -> view -> transpose)"
+        return Failed("is_causal=True over a cache longer than the queries (top-left aligned causal mask)")
+    if k_kind == "latent" and k_nodes[0] is not v_nodes[0]:
+        return Failed("keys and values come from different LatentCache updates")
+    return CacheMatch(k_kind, new_k, new_v, k_nodes if k_kind == "latent" else k_nodes + v_nodes, cropped, repeated)
+
+
+@dataclass
+class KeyChain:
+    """The key chain axis: head projection, optional per-head RMSNorm (in `projection.norm`), optional RoPE."""
+    projection: object  # patterns.Projection
+    rope: Optional[object]  # patterns.Rope
+
+
+def match_key_chain(new_k: Node) -> KeyChain | Failed:
+    rope = match_rope(new_k)
+    projection = match_head_projection(rope.x if rope else new_k)
+    if isinstance(projection, Failed):
+        where = "under rotate-half RoPE" if rope else "(no rotate-half RoPE, full or partial, found on them)"
+        return Failed(f"keys {where}: {projection.reason}; interleaved RoPE and other key layouts are not supported")
+    return KeyChain(projection, rope)
+
+
+def match_value_projection(new_v: Node):
+    projection = match_head_projection(new_v)
+    if isinstance(projection, Failed):
+        return Failed(f"values: {projection.reason}")
+    if projection.norm is not None:
+        return Failed("values are normalized per head (a v norm), which a latent value path cannot absorb")
+    return projection
+
+
+def _layer_of(k_weight: str) -> Optional[int]:
+    """The model's layer index in a parameter name: its first integer component (model.layers.3.self_attn...)."""
+    return next((int(part) for part in k_weight.split(".") if part.isdigit()), None)
+
+
+def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
+    attention = match_attention(sdpa)
+    if isinstance(attention, Failed):
+        return attention.reason
+    cache = match_cache(attention.key, attention.value, attention.is_causal)
+    if isinstance(cache, Failed):
+        return cache.reason
+    chain = match_key_chain(cache.new_k)
+    if isinstance(chain, Failed):
+        return chain.reason
+    key, rope = chain.projection, chain.rope
+    value = match_value_projection(cache.new_v)
+    if isinstance(value, Failed):
+        return value.reason
     if key.x is not value.x:
         return "K and V projections read different inputs"
+    query = attention.query
     q_shape, k_shape, v_shape = shape_of(query), shape_of(key.heads_out), shape_of(value.heads_out)
     if not (q_shape and k_shape and v_shape) or len(q_shape) != 4:
         return "missing shape metadata on q/k/v"
@@ -128,32 +206,34 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
     rope_source = None
     if rope is not None:
         cos_shape = shape_of(rope.cos)
-        if cos_shape is None or len(cos_shape) != 4 or cos_shape[1] != 1 or cos_shape[-1] != k_shape[-1]:
-            return "RoPE tables are not [batch, 1, tokens, head_dim]"
+        if cos_shape is None or len(cos_shape) != 4 or cos_shape[1] != 1 or cos_shape[-1] != rope.rotary_dim:
+            return "RoPE tables are not [batch, 1, tokens, rotary_dim]"
         rope_source = match_rope_source(rope.cos, rope.sin)
         if isinstance(rope_source, str):
-            if k_cache == "latent":  # a LatentCache stores positions, not RoPE rows: it needs their source
+            if cache.kind == "latent":  # a LatentCache stores positions, not RoPE rows: it needs their source
                 return f"{rope_source}, so a LatentCache cannot rebuild RoPE from stored positions"
             rope_source = None  # a stock cache (or none) keeps full keys: the factored rewrite needs no source
     num_heads, num_kv_heads = q_shape[1], k_shape[1]
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
-    if num_heads != num_kv_heads and not (repeated or sdpa.kwargs.get("enable_gqa", False)):
+    if num_heads != num_kv_heads and not (cache.repeated or attention.enable_gqa):
         return "query and KV head counts differ but SDPA neither repeats K/V nor sets enable_gqa"
     k_weight, v_weight = name_of(key.weight), name_of(value.weight)
     if not k_weight or not v_weight:
         return "cannot name the K/V weight parameters"
     chain, out_proj = follow_layout_chain(sdpa)
-    mask = sdpa.kwargs.get("attn_mask", args[3])
-    cache_nodes = k_nodes + v_nodes if k_cache == "concat" else k_nodes
+    if cache.kind == "latent":
+        marker = cache.nodes[0]
+        layer = marker.kwargs["layer_idx"] if "layer_idx" in marker.kwargs else marker.args[-1]
+    else:
+        layer = _layer_of(k_weight)
     return AttentionSite(
-        index=-1, sdpa=sdpa, query=query, key=key, value=value, rope=rope, rope_source=rope_source, cache=k_cache,
-        cache_nodes=cache_nodes,
-        k_weight=k_weight, v_weight=v_weight,
+        index=-1, layer=layer, sdpa=sdpa, query=query, key=key, value=value, rope=rope, rope_source=rope_source,
+        cache=cache.kind, cache_nodes=cache.nodes, k_weight=k_weight, v_weight=v_weight,
         k_bias=name_of(key.bias) if key.bias is not None else None,
         v_bias=name_of(value.bias) if value.bias is not None else None,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=k_shape[-1],
-        hidden_size=shape_of(key.x)[-1], scale=sdpa.kwargs.get("scale"), attn_mask=mask,
+        hidden_size=shape_of(key.x)[-1], scale=attention.scale, attn_mask=attention.mask,
         out_chain=chain, out_proj=out_proj,
     )
 
@@ -169,5 +249,7 @@ def find_sites(gm: GraphModule, name_of: Callable[[Node], Optional[str]] = param
             unmatched.append(Unmatched(node.name, found))
         else:
             found.index = len(sites)
+            if found.layer is None:
+                found.layer = found.index
             sites.append(found)
     return sites, unmatched

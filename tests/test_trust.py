@@ -193,20 +193,35 @@ def test_a_plan_file_with_damaged_tensors_is_refused(tmp_path):
         lrkv.RankPlan.load(tmp_path / "old.safetensors")
 
 
-def test_a_partial_plan_names_the_layers_left_full():
+def test_a_partial_plan_names_the_layers_left_full_and_runs_them_stock():
+    """Layers a plan leaves out (here the middle one and the last) keep full keys and values: with a stock cache
+    they are left untouched, and a LatentCache holds them in stock StaticLayers beside the latent ones."""
     model = build_model({**SMALL, "num_hidden_layers": 4})
     full = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
-    partial = lrkv.RankPlan(sites=full.sites[:2])
-    with pytest.warns(lrkv.LrkvWarning, match=r"layers \[2, 3\] are not in the plan and stay full"):
+    partial = lrkv.RankPlan(sites=(full.sites[0], full.sites[2]))
+    with pytest.warns(lrkv.LrkvWarning, match=r"layers \[1, 3\] are not in the plan and stay full"):
         lrkv.check(model, partial)
-    with pytest.raises(lrkv.PlanMismatchError, match="covers layers 0-1 of the model's 4"):
-        lrkv.LatentCache(model, partial)
+    reference = lrkv.low_rank_reference(model, partial)
     ids = torch.randint(0, VOCAB, (1, 6))
     forward = torch.compile(model.forward, backend="lrkv", options={"plan": partial})
-    with pytest.warns(lrkv.LrkvWarning, match=r"layers \[2, 3\] are not in the plan"):
+    with pytest.warns(lrkv.LrkvWarning, match=r"layers \[1, 3\] are not in the plan"):
         got = logits(forward, ids)
-    torch.testing.assert_close(got, logits(lrkv.low_rank_reference(model, partial).forward, ids),
-                               **TOLERANCE[torch.float32])
+    torch.testing.assert_close(got, logits(reference.forward, ids), **TOLERANCE[torch.float32])
+    torch._dynamo.reset()
+
+    with pytest.warns(lrkv.LrkvWarning, match=r"layers \[1, 3\] are not in the plan"):
+        compiled = lrkv.compile(model, partial)
+        out = compiled.generate(ids, max_new_tokens=3, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True)
+    cache = compiled.cache
+    assert [type(layer).__name__ for layer in cache.layers] == ["LatentLayer", "StaticLayer", "LatentLayer",
+                                                                "StaticLayer"]
+    with torch.no_grad():
+        expected = reference(out.sequences).logits[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), expected, **TOLERANCE[torch.float32])
+    stock = 2 * 2 * SMALL["head_dim"] * SMALL["num_key_value_heads"] * 4 * cache.max_cache_len  # two layers, fp32
+    assert cache.nbytes() == stock + sum(t.numel() * t.element_size() for index in (0, 2)
+                                         for t in cache.layers[index].tensors()) + cache.positions.nbytes
 
 
 def test_inputs_are_checked_before_any_trace_with_the_users_value(monkeypatch):

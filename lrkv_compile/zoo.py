@@ -1,0 +1,82 @@
+"""Random-weight models of the decoder architectures lrkv knows, built from transformers configs (no download).
+
+One table: what each family is made of (its config class and how the common dimensions map onto it) and what
+lrkv does with its attention. The architecture tests, the fuzzer and the README's matrix read it.
+
+    model = zoo.build("qwen3", layers=2, heads=4, kv_heads=2, head_dim=16)
+"""
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import transformers
+
+VOCAB = 97
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: str                      # the transformers config class
+    dims: Callable[..., dict]        # (layers, hidden, heads, kv_heads, head_dim) -> config keyword arguments
+    rewritten: str                   # what lrkv does with its attention sites (the README's matrix)
+    extra: dict = field(default_factory=dict)
+    kv_heads: bool = True            # the family has grouped-query attention (else kv_heads = heads)
+    bias_names: tuple = ("proj.bias",)  # endings of the parameter names drawn at random (biases, norm weights)
+
+
+def _llama_like(layers, hidden, heads, kv_heads, head_dim):
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden)
+
+
+FAMILIES = {family.name: family for family in (
+    Family("llama", "LlamaConfig", _llama_like, "K/V factored, latent cache", {"attention_bias": True}),
+    Family("mistral", "MistralConfig", _llama_like, "K/V factored, latent cache (window by mask)",
+           {"sliding_window": 8}),
+    Family("mixtral", "MixtralConfig", _llama_like, "K/V factored, latent cache (window by mask)",
+           {"sliding_window": 8, "num_local_experts": 2, "num_experts_per_tok": 1}),
+    Family("qwen2", "Qwen2Config", _llama_like, "K/V factored (with bias), latent cache"),
+    Family("qwen3", "Qwen3Config", _llama_like, "K/V factored, latent cache; the per-head key norm is applied to "
+           "the rebuilt keys", bias_names=("proj.bias", "norm.weight")),
+    Family("gemma3", "Gemma3TextConfig", _llama_like, "K/V factored, latent cache; key norm (1 + weight) on the "
+           "rebuilt keys; sliding-window layers by mask",
+           {"sliding_window": 4, "layer_types": None, "sliding_window_pattern": 2}, bias_names=("norm.weight",)),
+    Family("stablelm", "StableLmConfig", _llama_like, "K/V factored, latent cache; partial RoPE on the rebuilt "
+           "keys", {"partial_rotary_factor": 0.25, "use_qkv_bias": True}),
+    Family("phi", "PhiConfig", _llama_like, "K/V factored (with bias), latent cache; partial RoPE on the rebuilt "
+           "keys", {"partial_rotary_factor": 0.5}),
+    Family("opt", "OPTConfig",
+           lambda layers, hidden, heads, kv_heads, head_dim: dict(
+               num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=2 * hidden,
+               word_embed_proj_dim=hidden),
+           "K/V factored (with bias), latent cache (no RoPE)", kv_heads=False),
+)}
+
+
+def names() -> list[str]:
+    return list(FAMILIES)
+
+
+def build(name: str, layers: int = 2, hidden: int | None = None, heads: int = 4, kv_heads: int = 2,
+          head_dim: int = 16, dtype=torch.float32, seed: int = 0, **overrides):
+    """A random-weight `name` model in eval mode with SDPA attention; biases and q/k norm weights (where the
+    family has them) drawn at random, so they matter (transformers initialises them to zero or one). `hidden` defaults to heads * head_dim; families without grouped-query attention
+    use kv_heads = heads."""
+    family = FAMILIES[name]
+    if not family.kv_heads:
+        kv_heads = heads
+        if hidden is not None and hidden != heads * head_dim:
+            raise ValueError(f"{name}: head_dim is hidden / heads")
+    hidden = hidden or heads * head_dim
+    config = getattr(transformers, family.config)(
+        vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        **{**family.dims(layers, hidden, heads, kv_heads, head_dim), **family.extra, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith(family.bias_names) and parameter.dim() == 1:
+                parameter.normal_(0, 0.5)
+    return model.to(dtype)

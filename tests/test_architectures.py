@@ -1,0 +1,72 @@
+"""Every architecture family lrkv knows (`lrkv_compile.zoo`), random weights: a full-rank 16-bit plan is the
+original model through the backend and through generate() with a LatentCache, and a budget-0.25 plan compiles
+and generates the eager low-rank reference's tokens."""
+import warnings
+
+import pytest
+import torch
+
+import lrkv_compile as lrkv
+from lrkv_compile import zoo
+from lrkv_compile.reference import stepwise
+from strategies import TOLERANCE
+
+FAMILIES = zoo.names()
+
+
+def left_padded_prompt(rows=2, tokens=7, seed=0):
+    """Token ids and attention mask; the first row is shorter by 2 (left padding)."""
+    ids = torch.randint(3, zoo.VOCAB, (rows, tokens), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    return ids, mask
+
+
+def greedy(generate, ids, mask):
+    out = generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                   return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_full_rank_plan_is_the_original_model(family):
+    model = zoo.build(family, layers=3)
+    plan = lrkv.RankPlan.uniform(model, keep=1.0, progress=False)
+    ids, mask = left_padded_prompt()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+    got = forward(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    torch._dynamo.reset()
+
+    with warnings.catch_warnings():  # a full-rank LatentCache saves no memory, and says so
+        warnings.simplefilter("ignore", lrkv.LrkvWarning)
+        compiled = lrkv.compile(model, plan)
+        sequences, step_logits = greedy(compiled.generate, ids, mask)
+    stock_sequences, stock_logits = greedy(model.generate, ids, mask)
+    assert torch.equal(sequences, stock_sequences)
+    torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
+    assert all(type(layer).__name__ == "LatentLayer" for layer in compiled.cache.layers)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_budget_plan_decodes_as_its_low_rank_reference(family):
+    model = zoo.build(family, layers=3)
+    batches = torch.randint(3, zoo.VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    plan = lrkv.calibrate(model, batches, budget=0.25, method="uniform", progress=False)
+    assert plan.budget <= 0.25 and any(site.k_layout.bits != 16 or site.v_layout.bits != 16 for site in plan.sites)
+    reference = lrkv.low_rank_reference(model, plan)
+    ids = torch.randint(3, zoo.VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)
+    compiled = lrkv.compile(model, plan)
+    with torch.no_grad(), stepwise(reference):
+        for start, end in ((0, 7), (7, 8), (8, 9), (9, 12)):
+            positions = torch.arange(start, end)[None].expand(2, -1)  # as generate() passes them
+            got = compiled(input_ids=ids[:, start:end], position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits
+            expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
+            torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+    assert cache.nbytes() < 0.5 * cache.full_cache_nbytes()
+    sequences = compiled.generate(ids[:, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert sequences.shape == (2, 8)
