@@ -161,7 +161,7 @@ def _earlier_and_this_step(latent, scale, zero, exact, bits, group, sinks, axis,
 def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k,
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
-                     v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0):
+                     v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0, softcap=0.0):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -172,7 +172,8 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     transformers' QuantizedCache and KIVI do with their unquantized residual: quantization costs only what is
     stored. Keys get the model's per-head key norm (k_norm_weight, k_norm_offset, k_norm_eps: `rms_norm`; no
     norm where k_norm_weight is None), then RoPE at their stored positions (inv_freq [rotary_dim / 2] and
-    rope_scale as the model's rotary embedding; inv_freq None: no RoPE).
+    rope_scale as the model's rotary embedding; inv_freq None: no RoPE). softcap > 0 caps the scaled scores to
+    softcap * tanh(scores / softcap) before the mask, as Gemma 2 does.
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
     """
@@ -180,9 +181,13 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     slots = int(length)
     latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, k_axis,
                                        k_outliers, new_k, slots)
-    norm = None if k_norm_weight is None else (k_norm_weight, k_norm_offset, k_norm_eps)
-    keys = reconstruct_keys(latents_k.to(query.dtype), positions[:batch, :slots], inv_freq, rope_scale, up_k, bias_k,
-                            num_kv_heads, norm)
+    keys, scores = None, None
+    if inv_freq is None and k_norm_weight is None:  # nothing between the projection and q k^T: keys stay latent
+        scores = latent_scores(query, latents_k.to(query.dtype), up_k, bias_k, num_kv_heads)
+    else:
+        norm = None if k_norm_weight is None else (k_norm_weight, k_norm_offset, k_norm_eps)
+        keys = reconstruct_keys(latents_k.to(query.dtype), positions[:batch, :slots], inv_freq, rope_scale, up_k,
+                                bias_k, num_kv_heads, norm)
     # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, v_axis,
                                            v_outliers, new_v, slots)
@@ -196,11 +201,11 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
         # many queries per slot (prefill): rebuilding the values first is cheaper than reducing rank_v channels
         # per query head; the same sum, regrouped: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v
         values = torch.einsum("bsr,rkd->bksd", latent_values, up)
-        context = _attend(query, keys, values, mask, softmax_scale)
+        context = _attend(query, keys, values, mask, softmax_scale, softcap, scores)
     else:
         # values stay one latent shared by every KV head until after the reduction over slots
         context = _attend(query, keys, latent_values[:, None].expand(batch, num_kv_heads, slots, rank_v), mask,
-                          softmax_scale)
+                          softmax_scale, softcap, scores)
         if up is None:
             return context.transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)
         context = torch.einsum("bkgtr,rkd->bkgtd", context.view(batch, num_kv_heads, group, tokens, rank_v), up)
@@ -210,8 +215,38 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     return context.reshape(batch, heads, tokens, head_dim).to(query.dtype)
 
 
-def _attend(query, keys, values, mask, softmax_scale):
-    """float32 attention of query [batch, heads, tokens, head_dim] over keys/values [batch, kv_heads, slots, *]."""
-    context = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), keys.float(), values, attn_mask=mask, scale=softmax_scale, enable_gqa=True)
-    return context.nan_to_num(0.0)  # a query with no visible slot attends to nothing
+def latent_scores(query, latents_k, up_k, bias_k, num_kv_heads):
+    """q k^T without rebuilding any key, for sites with neither RoPE nor a key norm (Palu eq. 6): per KV head's
+    block of B_k, q (c B_k + b_k)^T = (q B_k^T) c^T + q b_k^T. The query moves into latent space (rank_k
+    channels) once per step; the slots are read as latents.
+
+    query: [batch, heads, tokens, head_dim], latents_k: [batch, slots, rank_k] -> float32 [batch, heads, tokens,
+    slots] (unscaled)."""
+    batch, heads, tokens, head_dim = query.shape
+    grouped = query.float().view(batch, num_kv_heads, heads // num_kv_heads, tokens, head_dim)
+    absorbed = torch.einsum("bkgtd,rkd->bkgtr", grouped, up_k.float().view(-1, num_kv_heads, head_dim))
+    scores = absorbed @ latents_k.float()[:, None, None].transpose(-1, -2)
+    if bias_k is not None:
+        scores = scores + (grouped * bias_k.float().view(1, num_kv_heads, 1, 1, head_dim)).sum(-1, keepdim=True)
+    return scores.reshape(batch, heads, tokens, -1)
+
+
+def _attend(query, keys, values, mask, softmax_scale, softcap=0.0, scores=None):
+    """float32 attention of query [batch, heads, tokens, head_dim] over keys/values [batch, kv_heads, slots, *],
+    scores soft-capped when softcap > 0; `scores` (q k^T, float32 [batch, heads, tokens, slots]) stand for the keys
+    where the caller has them."""
+    if scores is None and not softcap:
+        context = torch.nn.functional.scaled_dot_product_attention(
+            query.float(), keys.float(), values, attn_mask=mask, scale=softmax_scale, enable_gqa=True)
+        return context.nan_to_num(0.0)  # a query with no visible slot attends to nothing
+    batch, heads, tokens, _ = query.shape
+    kv_heads, group = values.shape[1], heads // values.shape[1]
+    if scores is None:
+        grouped = query.float().view(batch, kv_heads, group, tokens, -1)
+        scores = (grouped @ keys.float()[:, :, None].transpose(-1, -2)).view(batch, heads, tokens, -1)
+    scores = scores * softmax_scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(batch, kv_heads, group, tokens, -1)
+    return (weights @ values[:, :, None]).reshape(batch, heads, tokens, -1)

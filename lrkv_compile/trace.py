@@ -10,6 +10,9 @@ their own `torch.compile(model.forward, backend="lrkv")` would silently run eage
 import types
 
 import torch
+from torch._dynamo.exc import Unsupported, UserError
+
+from .errors import UnrewrittenSiteError
 
 PRIVATE_NAME = "lrkv_private_forward"  # the code name Dynamo's messages show for these copies
 
@@ -25,6 +28,17 @@ def private_forward(model):
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__dict__.update(function.__dict__)  # functools.wraps' __wrapped__, which the wrapper's body reads
     return types.MethodType(copy, model)
+
+
+def _untraceable(model, error) -> str:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    hint = ("; its RoPE scaling is 'dynamic', whose frequencies are recomputed in Python from the sequence length: "
+            "use 'linear', 'llama3' or 'yarn' scaling, or the model unscaled"
+            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic" else "")
+    reason = str(error).strip().splitlines()[0]
+    return (f"Dynamo cannot capture {type(model).__name__}.forward as one graph ({reason}), so lrkv cannot find or "
+            f"rewrite its attention{hint}")
 
 
 class _Captured(Exception):
@@ -55,6 +69,8 @@ def capture(model, input_ids: torch.Tensor, past_key_values=None):
             compiled(input_ids=input_ids, **cache_kwargs)
     except _Captured:
         pass
+    except (Unsupported, UserError) as error:
+        raise UnrewrittenSiteError(_untraceable(model, error)) from error
     if len(captured) != 1:
         raise RuntimeError(f"expected one graph from the model's forward, Dynamo produced {len(captured)}")
     gm, example_inputs = captured[0]

@@ -23,6 +23,7 @@ class Family:
     extra: dict = field(default_factory=dict)
     kv_heads: bool = True            # the family has grouped-query attention (else kv_heads = heads)
     bias_names: tuple = ("proj.bias",)  # endings of the parameter names drawn at random (biases, norm weights)
+    attention: str = "sdpa"          # the attention implementation transformers supports for it
 
 
 def _llama_like(layers, hidden, heads, kv_heads, head_dim):
@@ -42,6 +43,10 @@ FAMILIES = {family.name: family for family in (
     Family("gemma3", "Gemma3TextConfig", _llama_like, "K/V factored, latent cache; key norm (1 + weight) on the "
            "rebuilt keys; sliding-window layers by mask",
            {"sliding_window": 4, "layer_types": None, "sliding_window_pattern": 2}, bias_names=("norm.weight",)),
+    # a cap and a query scale at which the soft-capping changes the logits of a random model
+    Family("gemma2", "Gemma2Config", _llama_like, "K/V factored, latent cache; eager attention with soft-capped "
+           "scores; sliding-window layers by mask",
+           {"sliding_window": 4, "attn_logit_softcapping": 0.05, "query_pre_attn_scalar": 1}, attention="eager"),
     Family("stablelm", "StableLmConfig", _llama_like, "K/V factored, latent cache; partial RoPE on the rebuilt "
            "keys", {"partial_rotary_factor": 0.25, "use_qkv_bias": True}),
     Family("phi", "PhiConfig", _llama_like, "K/V factored (with bias), latent cache; partial RoPE on the rebuilt "
@@ -59,8 +64,9 @@ def names() -> list[str]:
 
 
 def build(name: str, layers: int = 2, hidden: int | None = None, heads: int = 4, kv_heads: int = 2,
-          head_dim: int = 16, dtype=torch.float32, seed: int = 0, **overrides):
-    """A random-weight `name` model in eval mode with SDPA attention; biases and q/k norm weights (where the
+          head_dim: int = 16, dtype=torch.float32, seed: int = 0, attention: str | None = None, **overrides):
+    """A random-weight `name` model in eval mode with `attention` ("sdpa" or "eager"; default: the family's, SDPA
+    where transformers supports it); biases and q/k norm weights (where the
     family has them) drawn at random, so they matter (transformers initialises them to zero or one). `hidden` defaults to heads * head_dim; families without grouped-query attention
     use kv_heads = heads."""
     family = FAMILIES[name]
@@ -72,7 +78,7 @@ def build(name: str, layers: int = 2, hidden: int | None = None, heads: int = 4,
     config = getattr(transformers, family.config)(
         vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         **{**family.dims(layers, hidden, heads, kv_heads, head_dim), **family.extra, **overrides})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention or family.attention
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

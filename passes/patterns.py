@@ -12,6 +12,7 @@ from torch.fx import Node
 
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 SDPA_TARGETS = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+MATMUL_TARGETS = {torch.matmul, operator.matmul}
 RESHAPE_METHODS = {"view", "reshape"}
 LAYOUT_METHODS = {"view", "reshape", "transpose", "contiguous", "flatten", "permute"}
 

@@ -18,11 +18,13 @@ import torch
 from torch.fx import GraphModule, Node
 
 from lrkv_compile.errors import PlanMismatchError
-from .patterns import LINEAR_TARGETS, is_function, is_method
+from .patterns import LINEAR_TARGETS, MATMUL_TARGETS, is_function, is_method
 
-PURE_FUNCTIONS = LINEAR_TARGETS | {operator.add, operator.mul, operator.neg, operator.getitem, torch.cat,
-                                   torch.add, torch.mul, torch.neg}
-PURE_METHODS = {"view", "reshape", "transpose", "contiguous", "unsqueeze", "flatten", "permute", "expand", "size"}
+PURE_FUNCTIONS = LINEAR_TARGETS | MATMUL_TARGETS | {
+    operator.add, operator.mul, operator.neg, operator.getitem, operator.truediv, torch.cat, torch.add, torch.mul,
+    torch.neg, torch.tanh, torch.softmax, torch.nn.functional.softmax, torch.nn.functional.dropout}
+PURE_METHODS = {"view", "reshape", "transpose", "contiguous", "unsqueeze", "flatten", "permute", "expand", "size", "to",
+                "type_as", "float", "softmax", "tanh"}
 
 
 @dataclass
@@ -130,6 +132,7 @@ class _Rewriter:
                 "inv_freq": site.rope_source.inv_freq if site.rope_source else None,
                 "rope_scale": site.rope_source.scale if site.rope_source else 1.0,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
+                "softcap": site.softcap,
                 "num_kv_heads": site.num_kv_heads})
         if absorb:
             self.absorb_output(site, planned, attention, name)

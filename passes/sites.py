@@ -1,7 +1,7 @@
 """Find every attention site of a Dynamo FX graph by structure, one record per site.
 
 A site is matched one variant axis at a time, each matcher returning its typed match or a `Failed` with the
-reason: attention (SDPA, with or without GQA), cache (none, a stock concat or preallocated cache, or the
+reason: attention (SDPA with or without GQA, or eager softmax attention, soft-capped or not), cache (none, a stock concat or preallocated cache, or the
 lrkv latent cache marker), key chain (a head projection with optional bias, an optional per-head RMSNorm
 before or after the head transpose, then rotate-half RoPE over all or the first channels, or none) and the
 value projection.
@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from lrkv_compile.signature import SiteSignature
-from .patterns import (SDPA_TARGETS, Failed, RopeSource, follow_layout_chain, is_function, is_method,
+from .patterns import (MATMUL_TARGETS, SDPA_TARGETS, Failed, RopeSource, follow_layout_chain, is_function, is_method,
                        match_head_projection, match_rope,
                        match_rope_source, shape_of, unwrap_repeat_kv, unwrap_slot_crop)
 
@@ -45,6 +46,7 @@ class AttentionSite:
     head_dim: int = 0
     hidden_size: int = 0
     scale: Optional[float] = None
+    softcap: float = 0.0            # scores soft-capped to cap * tanh(scores / cap) (0: not capped)
     attn_mask: Optional[Node] = None
     out_chain: list = field(default_factory=list)
     out_proj: Optional[Node] = None
@@ -102,7 +104,8 @@ def _split_cache(node: Node):
 
 @dataclass
 class Attention:
-    """The attention axis: SDPA's operands and settings."""
+    """The attention axis: SDPA's operands and settings, or those of an eager softmax(q k^T * scale + mask) v
+    (whose scores may be soft-capped: cap * tanh(scores / cap), Gemma 2)."""
     query: Node
     key: Node
     value: Node
@@ -110,15 +113,60 @@ class Attention:
     scale: Optional[float]
     is_causal: bool
     enable_gqa: bool
+    softcap: float = 0.0
 
 
-def match_attention(sdpa: Node) -> Attention | Failed:
-    args = list(sdpa.args) + [None] * 6
-    query, key, value = (sdpa.kwargs.get(k, args[i]) for i, k in enumerate(("query", "key", "value")))
-    if sdpa.kwargs.get("dropout_p", args[4] or 0.0) != 0.0:
+def match_attention(node: Node) -> Attention | Failed:
+    if is_function(node, MATMUL_TARGETS):
+        return match_eager_attention(node)
+    args = list(node.args) + [None] * 6
+    query, key, value = (node.kwargs.get(k, args[i]) for i, k in enumerate(("query", "key", "value")))
+    if node.kwargs.get("dropout_p", args[4] or 0.0) != 0.0:
         return Failed("attention dropout is on (a model in training mode); call model.eval()")
-    return Attention(query, key, value, sdpa.kwargs.get("attn_mask", args[3]), sdpa.kwargs.get("scale"),
-                     bool(sdpa.kwargs.get("is_causal", args[5])), bool(sdpa.kwargs.get("enable_gqa", False)))
+    return Attention(query, key, value, node.kwargs.get("attn_mask", args[3]), node.kwargs.get("scale"),
+                     bool(node.kwargs.get("is_causal", args[5])), bool(node.kwargs.get("enable_gqa", False)))
+
+
+def _constant_factor(node, targets):
+    """(inner, constant) for inner <op> constant with op in targets, else (node, None)."""
+    if is_function(node, targets) and len(node.args) == 2 and isinstance(node.args[1], (int, float)) \
+            and not isinstance(node.args[1], bool):
+        return node.args[0], float(node.args[1])
+    return node, None
+
+
+def match_eager_attention(out: Node) -> Attention | Failed:
+    """matmul(dropout(softmax(scores + mask).to(dtype)), v) with scores = q @ k.transpose(2, 3) * scale, optionally
+    soft-capped (transformers' eager_attention_forward)."""
+    weights, value = out.args[0], out.args[1]
+    if is_function(weights, {F.dropout}):
+        if weights.kwargs.get("training", True) and weights.kwargs.get("p", 0.5) != 0.0:
+            return Failed("attention dropout is on (a model in training mode); call model.eval()")
+        weights = weights.args[0]
+    while is_method(weights, {"to", "type_as"}):
+        weights = weights.args[0]
+    if not (is_function(weights, {F.softmax, torch.softmax}) or is_method(weights, {"softmax"})):
+        return Failed("not attention: a matmul whose left operand is not softmax weights")
+    dim = weights.kwargs.get("dim", weights.args[1] if len(weights.args) > 1 else None)
+    if dim not in (-1, 3):
+        return Failed("softmax over another axis than the keys")
+    scores, mask = weights.args[0], None
+    if is_function(scores, {operator.add, torch.add}) and len(scores.args) == 2:
+        scores, mask = scores.args
+    softcap = 0.0
+    capped, cap = _constant_factor(scores, {operator.mul, torch.mul})
+    if cap is not None and (is_function(capped, {torch.tanh}) or is_method(capped, {"tanh"})):
+        inner, divisor = _constant_factor(capped.args[0], {operator.truediv, torch.div})
+        if divisor != cap:
+            return Failed("attention scores are capped by tanh with mismatched constants")
+        scores, softcap = inner, cap
+    product, scale = _constant_factor(scores, {operator.mul, torch.mul})
+    if not is_function(product, MATMUL_TARGETS):
+        return Failed("attention scores are not q @ k^T times a constant scale")
+    query, keys = product.args
+    if not (is_method(keys, {"transpose"}) and tuple(keys.args[1:]) in {(2, 3), (3, 2), (-1, -2), (-2, -1)}):
+        return Failed("attention scores are not q @ k^T (keys not transposed on their last two axes)")
+    return Attention(query, keys.args[0], value, mask, scale if scale is not None else 1.0, False, False, softcap)
 
 
 @dataclass
@@ -233,16 +281,26 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
         k_bias=name_of(key.bias) if key.bias is not None else None,
         v_bias=name_of(value.bias) if value.bias is not None else None,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=k_shape[-1],
-        hidden_size=shape_of(key.x)[-1], scale=attention.scale, attn_mask=attention.mask,
+        hidden_size=shape_of(key.x)[-1], scale=attention.scale, softcap=attention.softcap,
+        attn_mask=attention.mask,
         out_chain=chain, out_proj=out_proj,
     )
 
 
+def _is_eager_attention(node: Node) -> bool:
+    """A matmul whose left operand comes from a softmax (through casts and dropout): an attention product."""
+    weights = node.args[0] if node.args else None
+    while is_method(weights, {"to", "type_as"}) or is_function(weights, {F.dropout}):
+        weights = weights.args[0]
+    return is_function(weights, {F.softmax, torch.softmax}) or is_method(weights, {"softmax"})
+
+
 def find_sites(gm: GraphModule, name_of: Callable[[Node], Optional[str]] = parameter_name):
-    """All attention sites of `gm` in execution order, and the SDPA calls that did not match (with why)."""
+    """All attention sites of `gm` in execution order, and the SDPA calls (or eager attention products) that did
+    not match (with why)."""
     sites, unmatched = [], []
     for node in gm.graph.nodes:
-        if not is_function(node, SDPA_TARGETS):
+        if not (is_function(node, SDPA_TARGETS) or is_function(node, MATMUL_TARGETS) and _is_eager_attention(node)):
             continue
         found = _match_one(node, name_of)
         if isinstance(found, str):

@@ -70,3 +70,53 @@ def test_a_budget_plan_decodes_as_its_low_rank_reference(family):
     assert cache.nbytes() < 0.5 * cache.full_cache_nbytes()
     sequences = compiled.generate(ids[:, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert sequences.shape == (2, 8)
+
+
+ROPE_SCALING = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("variant", [*ROPE_SCALING, "eager attention"])
+def test_rope_scaling_variants_and_eager_attention_are_rewritten_exactly(variant):
+    """RoPE scaling changes only inv_freq and the attention scaling, which a LatentCache rebuilds from; the eager
+    attention form (matmul, softmax, matmul) matches as SDPA does."""
+    if variant == "eager attention":
+        model = zoo.build("llama", layers=2, attention="eager")
+    else:
+        model = zoo.build("llama", layers=2, rope_parameters={**ROPE_SCALING[variant], "rope_theta": 10000.0})
+        assert model.model.rotary_emb.rope_type == variant
+    plan = lrkv.RankPlan.uniform(model, keep=1.0, progress=False)
+    ids, mask = left_padded_prompt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lrkv.LrkvWarning)
+        sequences, step_logits = greedy(lrkv.compile(model, plan).generate, ids, mask)
+    stock_sequences, stock_logits = greedy(model.generate, ids, mask)
+    assert torch.equal(sequences, stock_sequences)
+    torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
+
+
+def test_dynamic_rope_scaling_is_a_clear_error():
+    """Dynamic NTK scaling recomputes its frequencies in Python from the sequence length: no single graph."""
+    model = zoo.build("llama", layers=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(lrkv.UnrewrittenSiteError, match="RoPE scaling is 'dynamic'.*use 'linear', 'llama3' or 'yarn'"):
+        lrkv.explain(model, show=False)
+
+
+def test_sites_without_rope_score_in_latent_space(monkeypatch):
+    """No RoPE and no key norm (OPT, GPT-2): q k^T = (q B_k^T) c^T + q b_k, so no key is ever rebuilt."""
+    from lrkv_compile.lowering import reference
+
+    def no_keys(*args, **kwargs):
+        raise AssertionError("keys were rebuilt for a site without RoPE")
+    monkeypatch.setattr(reference, "reconstruct_keys", no_keys)
+    model = zoo.build("opt", layers=2)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    ids, mask = left_padded_prompt()
+    sequences, step_logits = greedy(lrkv.compile(model, plan).generate, ids, mask)
+    expected_sequences, expected_logits = greedy(lrkv.low_rank_reference(model, plan).generate, ids, mask)
+    assert torch.equal(sequences, expected_sequences)
+    torch.testing.assert_close(step_logits, expected_logits, **TOLERANCE[torch.float32])
