@@ -39,7 +39,7 @@ def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_s
 def _(key_states, value_states, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
       length, layer_idx):
     batch, kv_heads, _, head_dim = key_states.shape
-    slots = latent_k.shape[1]
+    slots = positions.shape[1]  # the context (a sliding-window layer's latents may be a shorter ring)
     return (key_states.new_empty(batch, kv_heads, slots, head_dim),
             value_states.new_empty(batch, value_states.shape[1], slots, value_states.shape[-1]))
 
@@ -71,7 +71,7 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      k_group: int, k_sinks: int, k_axis: str, k_outliers: int, v_bits: int, v_group: int,
                      v_sinks: int, v_axis: str, v_outliers: int, k_norm_weight: Optional[Tensor] = None,
                      k_norm_offset: float = 0.0, k_norm_eps: float = 0.0, softcap: float = 0.0,
-                     implementation: str = "auto") -> Tensor:
+                     new_positions: Optional[Tensor] = None, implementation: str = "auto") -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract. `implementation`
     (`IMPLEMENTATIONS`) picks the code that computes it."""
     arguments = dict(locals())  # the op's own arguments, by name
@@ -85,8 +85,10 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                 raise NotImplementedError("the decode kernel applies RoPE to every channel, not partial rotary")
             if softcap:
                 raise NotImplementedError("the decode kernel does not soft-cap attention scores")
+            if latent_k.shape[1] < positions.shape[1]:
+                raise NotImplementedError("the decode kernel reads a full-length cache, not a sliding-window ring")
             kernel_arguments = {name: value for name, value in arguments.items()
-                                if not name.startswith("k_norm_") and name != "softcap"}
+                                if not name.startswith("k_norm_") and name not in ("softcap", "new_positions")}
             return triton_decode.decode_attention(**kernel_arguments)
         except NotImplementedError as why:
             if implementation == "triton":
@@ -101,7 +103,7 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
 def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
       bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
       k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, k_norm_weight=None, k_norm_offset=0.0,
-      k_norm_eps=0.0, softcap=0.0, implementation="auto"):
+      k_norm_eps=0.0, softcap=0.0, new_positions=None, implementation="auto"):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])

@@ -15,36 +15,78 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, batch, start):
-    """Write new [batch, tokens, rank] latents at slots [start, start + tokens): quantized if bits < 16, and
-    exact copies of the sink slots (< sinks) and of the last `window` slots (ring entry sinks + slot % window).
-    Per channel (axis "channel"), the blocks of `group` slots this write completes are quantized from their
-    16-bit copies: the earlier slots' from the ring, which holds them (window >= group), this step's rounded."""
-    tokens = new.shape[1]
+    """Write new [batch, tokens, rank] latents of sequence indices [start, start + tokens): quantized if bits < 16,
+    and exact copies of the sinks (index < sinks) and of the last `window` indices (ring entry sinks + index %
+    window). Index i goes to slot i % slots (slots = latent.shape[1]): the identity for a cache as long as the
+    context, a ring for a sliding-window layer, which keeps the last `slots` indices (a multiple of a channel-axis
+    group). Per channel (axis "channel"), the blocks of `group` indices this write completes are quantized from
+    their 16-bit copies: the earlier indices' from the window ring, which holds them (window >= group), this
+    step's rounded."""
+    tokens, capacity = new.shape[1], latent.shape[1]
+    indices = torch.arange(start, start + tokens, device=new.device)
     if bits == 16:
-        latent[:batch, start:start + tokens] = new.to(latent.dtype)
+        latent[:batch, indices[-capacity:] % capacity] = new[:, -capacity:].to(latent.dtype)
         return
     window = exact.shape[1] - sinks if exact.numel() else 0
     if axis == "token":
-        codes, new_scale, new_zero = quantize.quantize(new, bits, group, axis, outliers)
-        latent[:batch, start:start + tokens] = codes
-        scale[:batch, start:start + tokens] = new_scale
-        zero[:batch, start:start + tokens] = new_zero
+        codes, new_scale, new_zero = quantize.quantize(new[:, -capacity:], bits, group, axis, outliers)
+        slots = indices[-capacity:] % capacity
+        latent[:batch, slots] = codes
+        scale[:batch, slots] = new_scale
+        zero[:batch, slots] = new_zero
     else:
         first, end = start - start % group, (start + tokens) // group * group
+        first = max(first, end - capacity)  # a ring keeps whole blocks: the last capacity / group of them
         if end > first:
             earlier = exact[:batch, sinks + torch.arange(first, start, device=new.device) % window]
-            span = torch.cat((earlier, new[:, :end - start].to(exact.dtype)), dim=1)
+            span = torch.cat((earlier, new[:, max(0, first - start):end - start].to(exact.dtype)), dim=1)
             codes, new_scale, new_zero = quantize.quantize(span, bits, group, axis, outliers)
-            latent[:batch, first:end] = codes
-            scale[:batch, first // group:end // group] = new_scale
-            zero[:batch, first // group:end // group] = new_zero
+            latent[:batch, torch.arange(first, end, device=new.device) % capacity] = codes
+            rows = torch.arange(first // group, end // group, device=new.device) % scale.shape[1]
+            scale[:batch, rows] = new_scale
+            zero[:batch, rows] = new_zero
     if exact.numel():
-        slots = torch.arange(start, start + tokens, device=new.device)
-        sink = slots < sinks
-        exact[:batch, slots[sink]] = new[:, sink].to(exact.dtype)
+        sink = indices < sinks
+        exact[:batch, indices[sink]] = new[:, sink].to(exact.dtype)
         if window:
-            recent = slots[-window:]
+            recent = indices[-window:]
             exact[:batch, sinks + recent % window] = new[:, -len(recent):].to(exact.dtype)
+
+
+def ring_indices(start: int, ring: int, device) -> torch.Tensor:
+    """The sequence index each slot of a ring of `ring` slots holds after indices [0, start) were written (-1:
+    none): slot j holds the latest index i < start with i % ring == j."""
+    slot = torch.arange(ring, device=device)
+    behind = start - 1 - slot
+    return torch.where(behind >= 0, slot + behind.div(ring, rounding_mode="floor") * ring, -1)
+
+
+def read_ring(latent, scale, zero, exact, bits, group, sinks, axis, outliers, new, start):
+    """A sliding-window layer's ring, read before this step's write of `new` [batch, tokens, rank] at indices
+    [start, start + tokens), as reads after that write see it: float32 [batch, ring, rank] and the index each slot
+    holds (`ring_indices`). A slot reads exact where the cache holds it exact after the write (sinks, and the
+    window's newest indices counted after this step), and a channel-axis block this step completes reads as the
+    write will quantize it."""
+    batch, tokens = new.shape[0], new.shape[1]
+    ring = latent.shape[1]
+    indices = ring_indices(start, ring, new.device)
+    if bits == 16:
+        return latent[:batch].float(), indices
+    values = quantize.dequantize(latent[:batch], scale[:batch], zero[:batch], bits, group, axis, outliers)
+    window = exact.shape[1] - sinks if exact.numel() else 0
+    if axis == "channel":
+        first, end = start - start % group, (start + tokens) // group * group
+        if end > first < start:  # earlier indices of the open block, which this step completes
+            earlier = torch.arange(first, start, device=new.device)
+            span = torch.cat((exact[:batch, sinks + earlier % window], new[:, :end - start].to(exact.dtype)), dim=1)
+            values[:, earlier % ring] = quantize.fake_quantize(span, bits, group, axis, outliers)[:, :start - first].float()
+    if exact.numel():
+        sink = (indices >= 0) & (indices < sinks)
+        values[:, sink] = exact[:batch, indices[sink]].float()
+        if window:
+            recent = indices >= max(0, start + tokens - window)
+            values[:, recent] = exact[:batch, sinks + indices[recent] % window].float()
+    return values, indices
 
 
 def read_latents(latent, scale, zero, exact, bits, group, sinks, axis, outliers, batch, slots,
@@ -71,7 +113,8 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
                  new_positions, length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
                  v_outliers) -> None:
     """Write this step's latents (quantized per side's layout, with exact sink and window copies) and their
-    positions at slots [length, length + tokens).
+    positions at sequence indices [length, length + tokens) (slots index % slots: a ring where the latents are
+    shorter than the context, `_store`).
 
     latent_k: [max_batch, slots, rank_k] (or packed codes); new_k: [batch, tokens, rank_k]; new_positions:
     [batch|1, tokens] integer positions (None for a model without RoPE); length: scalar tensor, slots
@@ -79,7 +122,7 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
     start = int(length)
-    capacity = latent_k.shape[1]
+    capacity = positions.shape[1]  # a sliding-window layer's latents are a shorter ring; positions cover the context
     if start + tokens > capacity:
         raise CacheOverflowError(
             f"the context needs {start + tokens} cache slots but this LatentCache holds max_cache_len={capacity}; "
@@ -133,13 +176,16 @@ def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, nu
     return keys
 
 
-def _allowed(attn_mask, batch, tokens, slots, device):
-    """Boolean [batch, 1|heads, tokens, slots]: causal over slots, intersected with the model's mask."""
-    query_slots = torch.arange(slots - tokens, slots, device=device)
-    allowed = (torch.arange(slots, device=device)[None, :] <= query_slots[:, None])[None, None]
+def _allowed(attn_mask, tokens, columns):
+    """Boolean [batch, 1|heads, tokens, columns]: causal over the sequence index each key column holds (`columns`,
+    -1 for an empty ring slot; the queries are the last `tokens` indices), intersected with the model's mask,
+    whose columns are sequence indices."""
+    slots = int(columns.max()) + 1
+    query_index = torch.arange(slots - tokens, slots, device=columns.device)
+    allowed = ((columns[None, :] >= 0) & (columns[None, :] <= query_index[:, None]))[None, None]
     additive = None
     if attn_mask is not None:
-        mask = attn_mask[..., :slots]
+        mask = attn_mask[..., columns.clamp_min(0)]
         if mask.dtype == torch.bool:
             allowed = allowed & mask
         else:
@@ -161,12 +207,17 @@ def _earlier_and_this_step(latent, scale, zero, exact, bits, group, sinks, axis,
 def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k,
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
-                     v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0, softcap=0.0):
+                     v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0, softcap=0.0,
+                     new_positions=None):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
     query: [batch, heads, tokens, head_dim] (RoPE already applied); length: slots valid after this step.
-    new_k, new_v: this step's latents [batch, tokens, rank], just written to the cache's last `tokens` slots.
+    new_k, new_v: this step's latents [batch, tokens, rank], just written to the cache's last `tokens` slots;
+    except in a sliding-window layer, whose latents are a ring shorter than the context (`_store`): its step
+    attends before its write, which may overwrite slots the step's first queries still see, and reads the ring as
+    the write will leave it (`read_ring`), and takes this step's positions from `new_positions` ([batch|1, tokens]),
+    which the cache does not hold yet.
     Tokens of earlier steps are read back from the cache (dequantized, except the sinks and the recent window,
     which it also holds exact); this step's tokens attend to each other with their exact latents, as
     transformers' QuantizedCache and KIVI do with their unquantized residual: quantization costs only what is
@@ -179,21 +230,34 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     """
     batch, heads, tokens, head_dim = query.shape
     slots = int(length)
-    latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, k_axis,
-                                       k_outliers, new_k, slots)
+    if latent_k.shape[1] < positions.shape[1]:  # a sliding-window layer's ring, read before this step's write
+        earlier_k, held = read_ring(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, k_axis, k_outliers,
+                                    new_k, slots - tokens)
+        earlier_v, _ = read_ring(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, v_axis, v_outliers,
+                                 new_v, slots - tokens)
+        latents_k, latent_values = torch.cat((earlier_k, new_k.float()), 1), torch.cat((earlier_v, new_v.float()), 1)
+        columns = torch.cat((held, torch.arange(slots - tokens, slots, device=query.device)))
+    else:
+        latents_k = _earlier_and_this_step(latent_k, k_scale, k_zero, k_exact, k_bits, k_group, k_sinks, k_axis,
+                                           k_outliers, new_k, slots)
+        # [batch, slots, rank_v]
+        latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, v_axis,
+                                               v_outliers, new_v, slots)
+        columns = torch.arange(slots, device=query.device)
     keys, scores = None, None
     if inv_freq is None and k_norm_weight is None:  # nothing between the projection and q k^T: keys stay latent
         scores = latent_scores(query, latents_k.to(query.dtype), up_k, bias_k, num_kv_heads)
     else:
         norm = None if k_norm_weight is None else (k_norm_weight, k_norm_offset, k_norm_eps)
-        keys = reconstruct_keys(latents_k.to(query.dtype), positions[:batch, :slots], inv_freq, rope_scale, up_k,
-                                bias_k, num_kv_heads, norm)
-    # [batch, slots, rank_v], rounded to the model's dtype as the eager reference's fake-quantized latents are
-    latent_values = _earlier_and_this_step(latent_v, v_scale, v_zero, v_exact, v_bits, v_group, v_sinks, v_axis,
-                                           v_outliers, new_v, slots)
+        key_positions = positions[:batch, columns.clamp_min(0)]
+        if new_positions is not None:  # a ring's step, before its write: the cache holds the earlier positions only
+            key_positions[:, -tokens:] = new_positions.to(key_positions.dtype)
+        keys = reconstruct_keys(latents_k.to(query.dtype), key_positions, inv_freq, rope_scale, up_k, bias_k,
+                                num_kv_heads, norm)
+    # rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = latent_values.to(query.dtype).float()
-    rank_v = latent_values.shape[-1]
-    allowed, additive = _allowed(attn_mask, batch, tokens, slots, query.device)
+    rank_v, slots = latent_values.shape[-1], latent_values.shape[1]
+    allowed, additive = _allowed(attn_mask, tokens, columns)
     mask = allowed if additive is None else additive.float().masked_fill(~allowed, float("-inf"))
     group = heads // num_kv_heads
     up = None if up_v is None else up_v.float().view(rank_v, num_kv_heads, head_dim)

@@ -5,10 +5,11 @@ Under the lrkv backend each attention site writes [batch, tokens, rank] latents 
 buffers and attends over them directly; no full-size key or value tensor is ever stored. Its
 `update` calls an opaque marker op that the backend replaces: used without the backend it raises.
 """
+import math
 import warnings
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, StaticLayer
 
 from lrkv_compile.lowering import ops
 from lrkv_compile.lowering.quantize import exact_dtype
@@ -29,10 +30,11 @@ class LatentLayer(CacheLayerMixin):
 
     def __init__(self, k_buffers, v_buffers, positions, layer_idx):
         super().__init__()
-        self.keys, self.k_scale, self.k_zero, self.k_exact = k_buffers  # [max_batch, max_cache_len, rank | width]
+        self.keys, self.k_scale, self.k_zero, self.k_exact = k_buffers  # [max_batch, slots, rank | width]
         self.values, self.v_scale, self.v_zero, self.v_exact = v_buffers
         self.positions = positions  # int32 [max_batch, max_cache_len], shared by all layers
-        self.max_cache_len = self.keys.shape[1]
+        # masks cover the whole context (column = sequence index), also where the latents are a shorter ring
+        self.max_cache_len = positions.shape[1]
         self.batch_size = self.keys.shape[0]
         self.layer_idx = layer_idx
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.keys.device)
@@ -79,6 +81,22 @@ class LatentLayer(CacheLayerMixin):
         return self.max_cache_len
 
 
+def sliding_windows(config, layers: int) -> list:
+    """Each layer's sliding window (None for global attention), as transformers' own cache lays the model out."""
+    stock = DynamicCache(config=config)
+    if len(stock.layers) != layers:
+        return [None] * layers
+    return [getattr(layer, "sliding_window", None) if layer.is_sliding else None for layer in stock.layers]
+
+
+def ring_slots(window: int, site) -> int:
+    """Slots of a sliding-window layer's latent ring: the window, rounded up to whole blocks of each channel-axis
+    side (a block's codes share one slot range); the mask hides the slots past the window."""
+    multiple = math.lcm(*(layout.group for layout in (site.k_layout, site.v_layout)
+                          if layout.bits != 16 and layout.axis == "channel"), 1)
+    return -(-window // multiple) * multiple
+
+
 def _stock_layer(config, max_batch_size, max_cache_len, dtype, device) -> StaticLayer:
     """A transformers StaticLayer for a layer the plan leaves full, allocated now (not lazily inside a trace)."""
     heads = config.num_attention_heads
@@ -95,9 +113,11 @@ class LatentCache(Cache):
 
     Each layer the plan covers holds latents (`LatentLayer`); a layer it leaves out (a partial plan, or attention
     the matcher cannot rewrite) holds full keys and values in a transformers `StaticLayer`, so a partly matched
-    model runs with stock layers beside latent ones.
+    model runs with stock layers beside latent ones. A sliding-window layer's latents are a ring of `ring_slots`
+    slots (sequence index i in slot i % slots) when that is shorter than max_cache_len: its bytes do not grow
+    with the context.
 
-    nbytes() is what the buffers occupy: per latent layer and side max_batch_size x max_cache_len x the side's
+    nbytes() is what the buffers occupy: per latent layer and side max_batch_size x slots x the side's
     bytes per token (rank values of the model's dtype, or packed codes plus fp16 scales and zero points),
     the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence; per
     stock layer its full keys and values.
@@ -123,14 +143,14 @@ class LatentCache(Cache):
         device = device or reference.device
         positions = torch.zeros(max_batch_size, max_cache_len, dtype=torch.int32, device=device)
 
-        def buffers(rank, layout):
+        def buffers(rank, layout, slots):
             latents, groups = layout.stored_widths(rank)
-            rows = layout.scale_rows(max_cache_len)
+            rows = layout.scale_rows(slots)
             quantized = layout.bits != 16
 
             def empty():  # one per buffer: the ops mutate them, so no two may alias
                 return torch.zeros(0, dtype=torch.float16, device=device)
-            return (torch.zeros(max_batch_size, max_cache_len, latents, device=device,
+            return (torch.zeros(max_batch_size, slots, latents, device=device,
                                 dtype=torch.uint8 if quantized else dtype),
                     torch.zeros(max_batch_size, rows, groups, dtype=torch.float16, device=device)
                     if quantized else empty(),
@@ -141,10 +161,16 @@ class LatentCache(Cache):
 
         planned = {site.layer: site for site in plan.sites}
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        layers = [LatentLayer(buffers(planned[index].rank_k, planned[index].k_layout),
-                              buffers(planned[index].rank_v, planned[index].v_layout), positions, index)
-                  if index in planned else _stock_layer(config, max_batch_size, max_cache_len, dtype, device)
-                  for index in range(model_layer_count)]
+        windows = sliding_windows(config, model_layer_count)
+        layers = []
+        for index in range(model_layer_count):
+            site = planned.get(index)
+            if site is None:
+                layers.append(_stock_layer(config, max_batch_size, max_cache_len, dtype, device))
+                continue
+            slots = min(max_cache_len, ring_slots(windows[index], site)) if windows[index] else max_cache_len
+            layers.append(LatentLayer(buffers(site.rank_k, site.k_layout, slots),
+                                      buffers(site.rank_v, site.v_layout, slots), positions, index))
         super().__init__(layers=layers)
         self.plan, self.dtype, self.positions = plan, dtype, positions
         self._capacity = (max_batch_size, max_cache_len)

@@ -64,8 +64,9 @@ def check_sites(plan: RankPlan, sites, unmatched, whole_model: bool = True) -> l
     model's forward); returns the matched sites the plan does not cover (they stay full)."""
     where = "the model's graph" if whole_model else "the compiled graph"
     if not sites and not unmatched:
-        message = (f"{where} has no scaled_dot_product_attention call, so lrkv rewrites nothing and the model "
-                   "runs uncompressed: load the model with attn_implementation='sdpa'")
+        message = (f"{where} has no attention lrkv knows (a scaled_dot_product_attention call, or the eager "
+                   "softmax(q k^T) v), so lrkv rewrites nothing and the model runs uncompressed: load the model "
+                   "with attn_implementation='sdpa'")
         if whole_model:
             raise UnrewrittenSiteError(message)
         warnings.warn(f"lrkv: {message} (if this graph is a fragment of the forward without attention, "

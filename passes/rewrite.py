@@ -111,13 +111,16 @@ class _Rewriter:
                           f"{side}_axis": layout.axis, f"{side}_outliers": layout.outliers})
         name = f"lrkv_site{site.index}"
         weight = site.key.weight
+        # a sliding-window layer's latents are a ring shorter than the context: its step attends first, then writes
+        ring = cache["latent_k"].meta["example_value"].shape[1] < cache["positions"].meta["example_value"].shape[1]
         with self.graph.inserting_before(marker):
             down_k = self.constant(f"{name}_down_k", planned.down_k.T, weight)
             down_v = self.constant(f"{name}_down_v", planned.down_v.T, weight)
             new = {"new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
                    "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))}
-            self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs={
-                **state, **new, "new_positions": site.rope_source.positions if site.rope_source else None})
+            write = {**state, **new, "new_positions": site.rope_source.positions if site.rope_source else None}
+            if not ring:
+                self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs=write)
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
         absorb = path.startswith("absorbed") and site.out_proj is not None
         if not absorb:
@@ -132,8 +135,15 @@ class _Rewriter:
                 "inv_freq": site.rope_source.inv_freq if site.rope_source else None,
                 "rope_scale": site.rope_source.scale if site.rope_source else 1.0,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
-                "softcap": site.softcap,
+                "softcap": site.softcap, "new_positions": write["new_positions"] if ring else None,
                 "num_kv_heads": site.num_kv_heads})
+        if ring:  # after the cache's length moved past this step: the write starts at length - tokens
+            with self.graph.inserting_after(attention):
+                tokens = self.graph.call_method("size", (new["new_k"], 1))
+            with self.graph.inserting_after(tokens):
+                start = self.graph.call_function(operator.sub, (state["length"], tokens))
+            with self.graph.inserting_after(start):
+                self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs={**write, "length": start})
         if absorb:
             self.absorb_output(site, planned, attention, name)
         else:

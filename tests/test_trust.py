@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import lrkv_compile as lrkv
 from strategies import TOLERANCE, VOCAB, build_model
@@ -144,14 +145,30 @@ def test_a_plan_for_another_checkpoint_of_the_same_shapes_is_refused():
     lrkv.check(build_model({**SMALL, "dtype": torch.bfloat16}), plan)
 
 
-def test_a_model_without_sdpa_attention_is_an_error():
+def einsum_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention implementation lrkv does not know: einsum products and a hand-written softmax."""
+    repeat = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", query, key) * scaling
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    weights = weights / weights.sum(-1, keepdim=True)
+    return torch.einsum("bhqk,bhkd->bhqd", weights, value).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register("lrkv_test_einsum", einsum_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register("lrkv_test_einsum", sdpa_mask)
+
+
+def test_a_model_with_an_attention_lrkv_does_not_know_is_an_error():
     model = build_model(SMALL)
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = "lrkv_test_einsum"
     with pytest.raises(lrkv.UnrewrittenSiteError, match="attn_implementation='sdpa'"):
         lrkv.check(model, plan)
     forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
-    with pytest.warns(lrkv.LrkvWarning, match="no scaled_dot_product_attention call"):
+    with pytest.warns(lrkv.LrkvWarning, match="no attention lrkv knows"):
         logits(forward, torch.randint(0, VOCAB, (1, 5)))
 
 
