@@ -16,6 +16,7 @@ from lrkv_compile.lowering.quantize import exact_dtype
 from .errors import LrkvWarning, PlanMismatchError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
+from .weights import ProjectionWeights
 
 
 class LatentLayer(CacheLayerMixin):
@@ -138,7 +139,7 @@ class LatentCache(Cache):
         if beyond:
             raise PlanMismatchError(f"the plan lists layers {beyond}, but the model has {model_layer_count} layers; "
                                     "make the plan on this model, or carry it over with lrkv.transfer")
-        reference = model.get_parameter(plan.sites[0].k_weight)
+        reference = ProjectionWeights(model)[plan.sites[0].k_weight]
         dtype = dtype or reference.dtype
         device = device or reference.device
         positions = torch.zeros(max_batch_size, max_cache_len, dtype=torch.int32, device=device)

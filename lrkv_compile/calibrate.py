@@ -22,6 +22,7 @@ from .learned import learn_ranks
 from .plan import (DEFAULT_CONTEXT, POSITION_BYTES, Layout, RankPlan, SitePlan, check_context, check_keep, rank_for,
                    weight_fingerprint)
 from .trace import capture
+from .weights import ProjectionWeights
 
 HYBRID = {"hybrid": ("head", "joint")}  # STAR-KV: head-wise keys, joint values
 DEFAULT_GROUP_SIZE = 4  # Palu's default group of heads for G-LRD
@@ -108,10 +109,13 @@ class _Recorder:
             self.samples[site_index].append(flat[::self.stride].float())
         return x
 
-    def output(self, site_index, side, y):
-        leaf = torch.zeros_like(y, requires_grad=True)
+    def output(self, site_index, side, y, heads=False):
+        """y + a zero leaf of y's shape, or for heads [batch, heads, tokens, head_dim] (a fused projection split
+        after its heads view) of the flat [batch, tokens, heads * head_dim], as the projection's outputs."""
+        flat = y.transpose(1, 2).flatten(-2) if heads else y
+        leaf = torch.zeros_like(flat, requires_grad=True)
         self.leaves[site_index, side] = leaf
-        return y + leaf
+        return y + (leaf.unflatten(-1, (y.shape[1], y.shape[3])).transpose(1, 2) if heads else leaf)
 
 
 def _instrument(gm, sites, recorder):
@@ -121,9 +125,10 @@ def _instrument(gm, sites, recorder):
         site.key.x.replace_all_uses_with(recorded, delete_user_cb=lambda user: user is not recorded)
         if recorder.fisher:
             for side, projection in (("k", site.key), ("v", site.value)):
-                with gm.graph.inserting_after(projection.linear):
-                    marked = gm.graph.call_function(recorder.output, (site.index, side, projection.linear))
-                projection.linear.replace_all_uses_with(marked, delete_user_cb=lambda user: user is not marked)
+                with gm.graph.inserting_after(projection.out):
+                    marked = gm.graph.call_function(recorder.output, (site.index, side, projection.out,
+                                                                      projection.out_layout == "heads"))
+                projection.out.replace_all_uses_with(marked, delete_user_cb=lambda user: user is not marked)
     gm.recompile()
 
 
@@ -308,7 +313,7 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
         warnings.warn(f"lrkv: {len(unmatched)} attention call(s) did not match and are left out of the plan "
                       f"(they stay full): {'; '.join(f'{u.node}: {u.reason}' for u in unmatched)}",
                       LrkvWarning, stacklevel=3)
-    params = dict(model.named_parameters())
+    params = ProjectionWeights(model)
     weights = {(site.index, side): params[name].detach().float().cpu()
                for site in sites for side, name in (("k", site.k_weight), ("v", site.v_weight))}
     spectra = {}  # each side's whitened SVD, once: every rank scored and planned is cut from it
@@ -331,7 +336,7 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
             factors[f"down_{side}"], factors[f"up_{side}"] = _factor(
                 spectra[site.index, side], blocks[site.index, side], rank, layout, site.index)
         planned.append(SitePlan(
-            layer=site.index, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
+            layer=site.layer, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
             num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
             k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"],
             rank_k=choices[site.index, "k"][0], rank_v=choices[site.index, "v"][0],

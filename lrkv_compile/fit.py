@@ -12,6 +12,7 @@ import torch
 
 from .errors import LrkvWarning, PlanError, PlanMismatchError, UnrewrittenSiteError
 from .plan import RankPlan, weight_fingerprint
+from .weights import ProjectionWeights
 
 _REMAKE = "make the plan on this model (lrkv.calibrate or lrkv.RankPlan.uniform)"
 
@@ -35,7 +36,7 @@ def check_parameters(plan: RankPlan, model) -> None:
     values the plan's factors were made from (by fingerprint)."""
     if not isinstance(plan, RankPlan):
         raise PlanError(f"plan must be a RankPlan, got {type(plan).__name__}")
-    params = dict(model.named_parameters())
+    params = ProjectionWeights(model)
     problems = []
     for site in plan.sites:
         expected = (site.full_dim, site.hidden_size)

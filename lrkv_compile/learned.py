@@ -40,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lrkv_compile.passes.factorize import factorize, whitening_factor
+from .weights import ProjectionWeights
 
 DEFAULTS = dict(
     steps=24,          # optimizer steps, one calibration chunk each (3 passes over 4 rows of 512 tokens)
@@ -133,7 +134,7 @@ def learn_ranks(model, batches, stats, blocks: dict, choices: dict, total_rank: 
         raise ValueError(f"total_rank={total_rank} is below the smallest allowed ranks' sum, {lowest}")
 
     device = next(model.parameters()).device
-    params = dict(model.named_parameters())
+    params = ProjectionWeights(model)
     sites = {site.index: site for site in stats.sites}
     factors, depth = {}, {}
     for key in keys:

@@ -10,6 +10,7 @@ from lrkv_compile.lowering.quantize import exact_dtype, fake_quantize
 from .errors import PlanMismatchError
 from .fit import check_parameters
 from .plan import Layout, RankPlan
+from .weights import parse, row_index
 
 
 class FactoredLinear(nn.Module):
@@ -74,20 +75,48 @@ def stepwise(reference):
             module.stepping, module.history, module.exact = False, None, None
 
 
+class FusedProjection(nn.Module):
+    """A fused q/k/v projection (an nn.Linear, or a Conv1D stored [in, out]) whose planned output features (K's,
+    V's) come from their FactoredLinears; the others (the queries') are the module's own."""
+
+    def __init__(self, module: nn.Module, parts: dict):
+        super().__init__()
+        self.module = module
+        self.parts = nn.ModuleList(parts.values())
+        for position, rows in enumerate(parts):
+            self.register_buffer(f"rows{position}", row_index(rows), persistent=False)
+
+    def forward(self, x):
+        y = self.module(x)
+        for position, part in enumerate(self.parts):
+            y = y.index_copy(-1, getattr(self, f"rows{position}"), part(x))
+        return y
+
+
 def low_rank_reference(model, plan: RankPlan):
     """A copy of `model` whose planned K/V projections are replaced by the plan's factors (eager, no cache tricks)."""
     check_parameters(plan, model)
     reference = copy.deepcopy(model)
     reference.__dict__.pop("forward", None)  # a compiled forward set on the instance would still run `model`
     modules = dict(reference.named_modules())
+    fused = {}  # module name -> {rows: FactoredLinear}
     for site in plan.sites:
-        for weight_name, down, up, layout in ((site.k_weight, site.down_k, site.up_k, site.k_layout),
-                                              (site.v_weight, site.down_v, site.up_v, site.v_layout)):
-            module_name = weight_name.rsplit(".", 1)[0]
-            linear = modules[module_name]
-            if not isinstance(linear, nn.Linear):
-                raise PlanMismatchError(f"{weight_name} belongs to a {type(linear).__name__}, not an nn.Linear; "
-                                        "the eager reference replaces linear projections only")
-            factored = FactoredLinear(down, up, linear.bias, layout).to(linear.weight.device, linear.weight.dtype)
-            reference.set_submodule(module_name, factored)
+        for name, down, up, layout in ((site.k_weight, site.down_k, site.up_k, site.k_layout),
+                                       (site.v_weight, site.down_v, site.up_v, site.v_layout)):
+            parameter, rows, conv1d = parse(name)
+            module_name = parameter.rsplit(".", 1)[0]
+            module = modules[module_name]
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or (
+                    rows is None and not isinstance(module, nn.Linear)):
+                raise PlanMismatchError(f"{name} belongs to a {type(module).__name__}; the eager reference replaces "
+                                        "linear (or Conv1D) projections only")
+            bias = None if module.bias is None else module.bias[row_index(rows, weight.device)] if rows else module.bias
+            factored = FactoredLinear(down, up, bias, layout).to(weight.device, weight.dtype)
+            if rows is None:
+                reference.set_submodule(module_name, factored)
+            else:
+                fused.setdefault(module_name, {})[rows] = factored
+    for module_name, parts in fused.items():
+        reference.set_submodule(module_name, FusedProjection(modules[module_name], parts))
     return reference

@@ -24,11 +24,25 @@ class Family:
     kv_heads: bool = True            # the family has grouped-query attention (else kv_heads = heads)
     bias_names: tuple = ("proj.bias",)  # endings of the parameter names drawn at random (biases, norm weights)
     attention: str = "sdpa"          # the attention implementation transformers supports for it
+    head_dim: bool = True            # head_dim is a setting of its own (else hidden / heads)
 
 
 def _llama_like(layers, hidden, heads, kv_heads, head_dim):
     return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                 num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden)
+
+
+def _phi3(layers, hidden, heads, kv_heads, head_dim):
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=2 * hidden)
+
+
+def _gpt_neox(layers, hidden, heads, kv_heads, head_dim):
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=2 * hidden)
+
+
+def _gpt2(layers, hidden, heads, kv_heads, head_dim):
+    return dict(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=2 * hidden)
 
 
 FAMILIES = {family.name: family for family in (
@@ -51,6 +65,13 @@ FAMILIES = {family.name: family for family in (
            "keys", {"partial_rotary_factor": 0.25, "use_qkv_bias": True}),
     Family("phi", "PhiConfig", _llama_like, "K/V factored (with bias), latent cache; partial RoPE on the rebuilt "
            "keys", {"partial_rotary_factor": 0.5}),
+    Family("phi3", "Phi3Config", _phi3, "fused qkv projection: its K and V rows factored, latent cache",
+           {"partial_rotary_factor": 1.0}, head_dim=False),
+    Family("gpt_neox", "GPTNeoXConfig", _gpt_neox, "fused qkv projection interleaved per head: its K and V rows "
+           "factored, latent cache; partial RoPE on the rebuilt keys", {"rotary_pct": 0.25},
+           kv_heads=False, head_dim=False, bias_names=("query_key_value.bias",)),
+    Family("gpt2", "GPT2Config", _gpt2, "fused Conv1D qkv projection: its K and V columns factored, latent cache "
+           "(no RoPE: scores in latent space)", kv_heads=False, head_dim=False, bias_names=("c_attn.bias",)),
     Family("opt", "OPTConfig",
            lambda layers, hidden, heads, kv_heads, head_dim: dict(
                num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=2 * hidden,
@@ -68,12 +89,12 @@ def build(name: str, layers: int = 2, hidden: int | None = None, heads: int = 4,
     """A random-weight `name` model in eval mode with `attention` ("sdpa" or "eager"; default: the family's, SDPA
     where transformers supports it); biases and q/k norm weights (where the
     family has them) drawn at random, so they matter (transformers initialises them to zero or one). `hidden` defaults to heads * head_dim; families without grouped-query attention
-    use kv_heads = heads."""
+    use kv_heads = heads, and those without a head_dim setting hidden = heads * head_dim."""
     family = FAMILIES[name]
     if not family.kv_heads:
         kv_heads = heads
-        if hidden is not None and hidden != heads * head_dim:
-            raise ValueError(f"{name}: head_dim is hidden / heads")
+    if not family.head_dim and hidden is not None and hidden != heads * head_dim:
+        raise ValueError(f"{name}: head_dim is hidden / heads")
     hidden = hidden or heads * head_dim
     config = getattr(transformers, family.config)(
         vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,

@@ -109,19 +109,100 @@ def match_rms_norm(node) -> Optional[RmsNorm]:
 
 @dataclass
 class Projection:
-    """linear(x, weight, bias) -> view as heads -> transpose(1, 2): [batch, heads, tokens, head_dim], with an
-    optional per-head RMSNorm before or after the transpose (q/k norm)."""
-    linear: Node
+    """One side's projection split into heads [batch, heads, tokens, head_dim]: x W[rows]^T + b[rows], with an
+    optional per-head RMSNorm before or after the head transpose (q/k norm). `rows` is None for a projection of
+    its own, else the output features it takes of a fused q/k/v projection ((start, stop) ranges; `conv1d`: the
+    weight is stored [in, out], GPT-2's Conv1D). The rewrite replaces `out`: the side's own output [batch, tokens,
+    heads * head_dim] (`out_layout` "flat"), or, for a fused projection split after its heads view (GPT-NeoX),
+    the side's heads [batch, heads, tokens, head_dim] ("heads")."""
+    linear: Node      # the (fused) projection: a linear, or a Conv1D's addmm
     x: Node
     weight: Node
     bias: Optional[Node]
-    heads_out: Node  # the [batch, heads, tokens, head_dim] node
+    heads_out: Node   # the [batch, heads, tokens, head_dim] node
+    out: Node
     norm: Optional[RmsNorm] = None
+    rows: Optional[tuple] = None
+    conv1d: bool = False
+    out_layout: str = "flat"
+
+
+def _is_parameter(node) -> bool:
+    return isinstance(node, Node) and node.op in ("placeholder", "get_attr")
+
+
+def _projection_source(node):
+    """(node, x, weight, bias, conv1d) for linear(x, W, b), or a Conv1D's addmm(b, x.view(-1, in), W) viewed
+    back to [..., out]; else None."""
+    if is_function(node, LINEAR_TARGETS):
+        args = list(node.args) + [None] * (3 - len(node.args))
+        weight, bias = node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        if _is_parameter(weight) and (bias is None or _is_parameter(bias)):
+            return node, args[0], weight, bias, False
+        return None
+    if is_method(node, RESHAPE_METHODS) and is_function(node.args[0], {torch.addmm}):
+        addmm = node.args[0]
+        bias, flat_x, weight = addmm.args[:3]
+        if is_method(flat_x, RESHAPE_METHODS) and _is_parameter(weight) and _is_parameter(bias):
+            return addmm, flat_x.args[0], weight, bias, True
+    return None
+
+
+def _fused_part(flat):
+    """(source, rows) for one part of a fused projection's output: out[..., a:b] (Phi-3) or out.split(...)[i]
+    (GPT-2); else None."""
+    if not is_function(flat, {operator.getitem}) or not isinstance(flat.args[0], Node):
+        return None
+    parent, index = flat.args
+    if is_method(parent, {"split"}) and isinstance(index, int):
+        size = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("split_size")
+        dim = parent.kwargs.get("dim", parent.args[2] if len(parent.args) > 2 else 0)
+        width = (shape_of(parent.args[0]) or (0,))[-1]
+        if dim not in (-1, len(shape_of(parent.args[0]) or ()) - 1):
+            return None
+        sizes = [size] * (width // size) if isinstance(size, int) else list(size)
+        start = sum(sizes[:index])
+        return parent.args[0], ((start, start + sizes[index]),)
+    width = (shape_of(parent) or (0,))[-1]
+    if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice) \
+            and index[1].step in (None, 1):
+        start, stop, _ = index[1].indices(width)
+        return parent, ((start, stop),)
+    return None
+
+
+def _chunked_heads(node):
+    """A side's heads of a fused projection split after its heads view: transpose(view(qkv, (b, t, heads,
+    parts * head_dim)), 1, 2).chunk(parts, -1)[i] (GPT-NeoX). Returns (source, rows), rows per head, or None."""
+    if not is_function(node, {operator.getitem}) or not is_method(node.args[0], {"chunk"}):
+        return None
+    chunk, index = node.args[0], node.args[1]
+    parts = chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
+    dim = chunk.kwargs.get("dim", chunk.args[2] if len(chunk.args) > 2 else 0)
+    transposed = chunk.args[0]
+    if dim not in (-1, 3) or not (is_method(transposed, {"transpose"}) and tuple(transposed.args[1:]) in
+                                  {(1, 2), (2, 1)}) or not is_method(transposed.args[0], RESHAPE_METHODS):
+        return None
+    shape = shape_of(transposed)  # [batch, heads, tokens, parts * head_dim]
+    if not shape or len(shape) != 4 or shape[-1] % parts:
+        return None
+    width = shape[-1] // parts
+    rows = tuple((head * shape[-1] + index * width, head * shape[-1] + (index + 1) * width)
+                 for head in range(shape[1]))
+    return transposed.args[0].args[0], rows
 
 
 def match_head_projection(node) -> Projection | Failed:
     norm = match_rms_norm(node)
     transposed = norm.x if norm else node
+    chunked = _chunked_heads(transposed)
+    if chunked is not None:
+        source = _projection_source(chunked[0])
+        if source is None:
+            return Failed("the fused projection is not a linear with parameter weights")
+        linear, x, weight, bias, conv1d = source
+        return Projection(linear=linear, x=x, weight=weight, bias=bias, heads_out=node, out=transposed, norm=norm,
+                          rows=chunked[1], conv1d=conv1d, out_layout="heads")
     if not (is_method(transposed, {"transpose"}) and tuple(transposed.args[1:]) in {(1, 2), (2, 1)}):
         return Failed("not a projection split into heads (linear -> view -> transpose)")
     split = transposed.args[0]
@@ -130,17 +211,18 @@ def match_head_projection(node) -> Projection | Failed:
         split = norm.x if norm else split
     if not is_method(split, RESHAPE_METHODS):
         return Failed("not a projection split into heads (linear -> view -> transpose)")
-    linear = split.args[0]
-    if not is_function(linear, LINEAR_TARGETS):
-        return Failed("the heads come from another operation than a linear projection (e.g. a fused qkv split)")
-    args = list(linear.args) + [None] * (3 - len(linear.args))
-    weight = linear.kwargs.get("weight", args[1])
-    bias = linear.kwargs.get("bias", args[2])
-    if not isinstance(weight, Node) or weight.op not in ("placeholder", "get_attr"):
-        return Failed("the projection's weight is computed, not a parameter")
-    if bias is not None and (not isinstance(bias, Node) or bias.op not in ("placeholder", "get_attr")):
-        return Failed("the projection's bias is computed, not a parameter")
-    return Projection(linear=linear, x=args[0], weight=weight, bias=bias, heads_out=node, norm=norm)
+    flat, rows = split.args[0], None
+    source = _projection_source(flat)
+    if source is None:
+        part = _fused_part(flat)
+        if part is None:
+            return Failed("the heads come from another operation than a linear projection or a part of a fused one")
+        source, rows = _projection_source(part[0]), part[1]
+        if source is None:
+            return Failed("the fused projection is not a linear with parameter weights")
+    linear, x, weight, bias, conv1d = source
+    return Projection(linear=linear, x=x, weight=weight, bias=bias, heads_out=node, out=flat, norm=norm, rows=rows,
+                      conv1d=conv1d)
 
 
 def _is_slice_of(node, source, start, stop) -> bool:

@@ -18,7 +18,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from lrkv_compile.errors import PlanMismatchError
-from .patterns import LINEAR_TARGETS, MATMUL_TARGETS, is_function, is_method
+from lrkv_compile.weights import row_index
+from .patterns import LINEAR_TARGETS, MATMUL_TARGETS, is_function, is_method, shape_of
 
 PURE_FUNCTIONS = LINEAR_TARGETS | MATMUL_TARGETS | {
     operator.add, operator.mul, operator.neg, operator.getitem, operator.truediv, torch.cat, torch.add, torch.mul,
@@ -70,9 +71,17 @@ class _Rewriter:
         self.gm.register_buffer(name, tensor)
         return self.graph.get_attr(name)
 
+    def bias(self, projection, name):
+        """The projection's bias node, or for a part of a fused projection a constant of its rows (None: no bias)."""
+        if projection.bias is None or projection.rows is None:
+            return projection.bias
+        value = self.value_of(projection.bias).detach()
+        return self.constant(name, value[row_index(projection.rows, value.device)], projection.bias)
+
     def factored(self, projection, down, up, layout, name):
-        """linear(x, W, b) -> linear(q(linear(x, down^T)), up^T, b), q = the layout's quantize-dequantize."""
-        with self.graph.inserting_before(projection.linear):
+        """x W[rows]^T + b[rows] -> linear(q(linear(x, down^T)), up^T, b[rows]), q = the layout's
+        quantize-dequantize, in place of the projection's output (or heads, `Projection.out_layout`)."""
+        with self.graph.inserting_before(projection.out):
             down_w = self.constant(f"{name}_down", down.T, projection.weight)
             up_w = self.constant(f"{name}_up", up.T, projection.weight)
             latent = self.graph.call_function(torch._C._nn.linear, (projection.x, down_w, None))
@@ -80,8 +89,13 @@ class _Rewriter:
                 latent = self.graph.call_function(torch.ops.lrkv.fake_quantize.default, (latent,),
                                                   {"bits": layout.bits, "group": layout.group, "axis": layout.axis,
                                                    "outliers": layout.outliers})
-            rebuilt = self.graph.call_function(torch._C._nn.linear, (latent, up_w, projection.bias))
-        projection.linear.replace_all_uses_with(rebuilt)
+            rebuilt = self.graph.call_function(torch._C._nn.linear,
+                                               (latent, up_w, self.bias(projection, f"{name}_bias")))
+            if projection.out_layout == "heads":
+                heads, head_dim = shape_of(projection.out)[1], shape_of(projection.out)[3]
+                rebuilt = self.graph.call_method("unflatten", (rebuilt, -1, (heads, head_dim)))
+                rebuilt = self.graph.call_method("transpose", (rebuilt, 1, 2))
+        projection.out.replace_all_uses_with(rebuilt)
 
     def latent(self, site, planned, value_policy):
         marker = site.cache_nodes[0]
@@ -128,10 +142,10 @@ class _Rewriter:
         with self.graph.inserting_before(site.sdpa):
             attention = self.graph.call_function(torch.ops.lrkv.latent_attention.default, kwargs={
                 **state, **new, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
-                "bias_k": site.key.bias, "k_norm_weight": site.key.norm.weight if site.key.norm else None,
+                "bias_k": self.bias(site.key, f"{name}_bias_k"), "k_norm_weight": site.key.norm.weight if site.key.norm else None,
                 "k_norm_offset": site.key.norm.offset if site.key.norm else 0.0,
                 "k_norm_eps": site.key.norm.eps if site.key.norm else 0.0, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
-                "bias_v": None if absorb else site.value.bias, "attn_mask": site.attn_mask,
+                "bias_v": None if absorb else self.bias(site.value, f"{name}_bias_v"), "attn_mask": site.attn_mask,
                 "inv_freq": site.rope_source.inv_freq if site.rope_source else None,
                 "rope_scale": site.rope_source.scale if site.rope_source else 1.0,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
@@ -158,6 +172,8 @@ class _Rewriter:
         b_o = self.value_of(args[2]).detach().double().cpu() if args[2] is not None else None
         up_v = planned.up_v.double()                                    # [rank_v, kv_heads * head_dim]
         b_v = self.value_of(site.value.bias).detach().double().cpu() if site.value.bias is not None else None
+        if b_v is not None and site.value.rows is not None:
+            b_v = b_v[row_index(site.value.rows)]
         heads, kv_heads, d = site.num_heads, site.num_kv_heads, site.head_dim
         group = heads // kv_heads
         absorbed, bias = [], (b_o.clone() if b_o is not None else torch.zeros(w_o.shape[0], dtype=torch.float64))

@@ -1,12 +1,12 @@
 """Find every attention site of a Dynamo FX graph by structure, one record per site.
 
 A site is matched one variant axis at a time, each matcher returning its typed match or a `Failed` with the
-reason: attention (SDPA with or without GQA, or eager softmax attention, soft-capped or not), cache (none, a stock concat or preallocated cache, or the
-lrkv latent cache marker), key chain (a head projection with optional bias, an optional per-head RMSNorm
-before or after the head transpose, then rotate-half RoPE over all or the first channels, or none) and the
-value projection.
-The output projection behind SDPA is recorded when there is one. Anything else is left alone and reported
-with the reason.
+reason: attention (SDPA with or without GQA, or eager softmax attention, soft-capped or not), cache (none, a
+stock concat or preallocated cache, or the lrkv latent cache marker), projection (a linear, a Conv1D, or a part
+of a fused q/k/v projection, bias optional), key chain (an optional per-head RMSNorm before or after the head
+transpose, then rotate-half RoPE over all or the first channels, or none) and the value projection. The output
+projection behind SDPA is recorded when there is one. Anything else is left alone and reported with the
+reason.
 """
 import operator
 import re
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from lrkv_compile.signature import SiteSignature
+from lrkv_compile.weights import weight_name
 from .patterns import (MATMUL_TARGETS, SDPA_TARGETS, Failed, RopeSource, follow_layout_chain, is_function, is_method,
                        match_head_projection, match_rope,
                        match_rope_source, shape_of, unwrap_repeat_kv, unwrap_slot_crop)
@@ -224,6 +225,18 @@ def match_value_projection(new_v: Node):
     return projection
 
 
+def _weight_name(projection, name_of) -> Optional[str]:
+    """The plan's name of a projection's weight (`lrkv_compile.weights`): the parameter's, with the rows of a fused
+    projection, or all columns of a Conv1D weight stored [in, out]."""
+    parameter = name_of(projection.weight)
+    rows = projection.rows
+    if parameter is None:
+        return None
+    if rows is None and projection.conv1d:
+        rows = ((0, shape_of(projection.weight)[1]),)
+    return weight_name(parameter, rows, projection.conv1d)
+
+
 def _layer_of(k_weight: str) -> Optional[int]:
     """The model's layer index in a parameter name: its first integer component (model.layers.3.self_attn...)."""
     return next((int(part) for part in k_weight.split(".") if part.isdigit()), None)
@@ -266,7 +279,7 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
     if num_heads != num_kv_heads and not (cache.repeated or attention.enable_gqa):
         return "query and KV head counts differ but SDPA neither repeats K/V nor sets enable_gqa"
-    k_weight, v_weight = name_of(key.weight), name_of(value.weight)
+    k_weight, v_weight = (_weight_name(projection, name_of) for projection in (key, value))
     if not k_weight or not v_weight:
         return "cannot name the K/V weight parameters"
     chain, out_proj = follow_layout_chain(sdpa)
