@@ -47,19 +47,19 @@ def _gpt2(layers, hidden, heads, kv_heads, head_dim):
 
 FAMILIES = {family.name: family for family in (
     Family("llama", "LlamaConfig", _llama_like, "K/V factored, latent cache", {"attention_bias": True}),
-    Family("mistral", "MistralConfig", _llama_like, "K/V factored, latent cache (window by mask)",
+    Family("mistral", "MistralConfig", _llama_like, "K/V factored, latent cache; sliding-window layers in a latent ring of window size",
            {"sliding_window": 8}),
-    Family("mixtral", "MixtralConfig", _llama_like, "K/V factored, latent cache (window by mask)",
+    Family("mixtral", "MixtralConfig", _llama_like, "K/V factored, latent cache; sliding-window layers in a latent ring of window size",
            {"sliding_window": 8, "num_local_experts": 2, "num_experts_per_tok": 1}),
     Family("qwen2", "Qwen2Config", _llama_like, "K/V factored (with bias), latent cache"),
     Family("qwen3", "Qwen3Config", _llama_like, "K/V factored, latent cache; the per-head key norm is applied to "
            "the rebuilt keys", bias_names=("proj.bias", "norm.weight")),
     Family("gemma3", "Gemma3TextConfig", _llama_like, "K/V factored, latent cache; key norm (1 + weight) on the "
-           "rebuilt keys; sliding-window layers by mask",
+           "rebuilt keys; sliding-window layers in latent rings, global layers full length",
            {"sliding_window": 4, "layer_types": None, "sliding_window_pattern": 2}, bias_names=("norm.weight",)),
     # a cap and a query scale at which the soft-capping changes the logits of a random model
     Family("gemma2", "Gemma2Config", _llama_like, "K/V factored, latent cache; eager attention with soft-capped "
-           "scores; sliding-window layers by mask",
+           "scores; sliding-window layers in latent rings, global layers full length",
            {"sliding_window": 4, "attn_logit_softcapping": 0.05, "query_pre_attn_scalar": 1}, attention="eager"),
     Family("stablelm", "StableLmConfig", _llama_like, "K/V factored, latent cache; partial RoPE on the rebuilt "
            "keys", {"partial_rotary_factor": 0.25, "use_qkv_bias": True}),
@@ -76,7 +76,7 @@ FAMILIES = {family.name: family for family in (
            lambda layers, hidden, heads, kv_heads, head_dim: dict(
                num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=2 * hidden,
                word_embed_proj_dim=hidden),
-           "K/V factored (with bias), latent cache (no RoPE)", kv_heads=False),
+           "K/V factored (with bias), latent cache (no RoPE: scores in latent space)", kv_heads=False),
 )}
 
 

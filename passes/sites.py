@@ -141,7 +141,10 @@ def match_eager_attention(out: Node) -> Attention | Failed:
     soft-capped (transformers' eager_attention_forward)."""
     weights, value = out.args[0], out.args[1]
     if is_function(weights, {F.dropout}):
-        if weights.kwargs.get("training", True) and weights.kwargs.get("p", 0.5) != 0.0:
+        args = list(weights.args) + [None] * 3
+        p = weights.kwargs.get("p", 0.5 if args[1] is None else args[1])
+        training = weights.kwargs.get("training", True if args[2] is None else args[2])
+        if training and p != 0.0:
             return Failed("attention dropout is on (a model in training mode); call model.eval()")
         weights = weights.args[0]
     while is_method(weights, {"to", "type_as"}):
@@ -162,6 +165,9 @@ def match_eager_attention(out: Node) -> Attention | Failed:
             return Failed("attention scores are capped by tanh with mismatched constants")
         scores, softcap = inner, cap
     product, scale = _constant_factor(scores, {operator.mul, torch.mul})
+    if scale is None:  # scores / sqrt(head_dim) (GPT-J)
+        product, divisor = _constant_factor(scores, {operator.truediv, torch.div})
+        scale = None if divisor is None else 1.0 / divisor
     if not is_function(product, MATMUL_TARGETS):
         return Failed("attention scores are not q @ k^T times a constant scale")
     query, keys = product.args

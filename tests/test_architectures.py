@@ -120,3 +120,25 @@ def test_sites_without_rope_score_in_latent_space(monkeypatch):
     expected_sequences, expected_logits = greedy(lrkv.low_rank_reference(model, plan).generate, ids, mask)
     assert torch.equal(sequences, expected_sequences)
     torch.testing.assert_close(step_logits, expected_logits, **TOLERANCE[torch.float32])
+
+
+def test_gpt_j_is_reported_and_left_untouched():
+    """GPT-J rotates interleaved channel pairs with sin/cos read from a table, in [batch, tokens, heads] layout:
+    no family of the matcher's; each site is reported with the reason and the model is not planned."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+    config = GPTJConfig(vocab_size=zoo.VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"  # transformers' only one for GPT-J
+    model = GPTJForCausalLM(config).eval()
+    rows = lrkv.explain(model, show=False)
+    assert len(rows) == 2 and all(row["status"].startswith("unmatched") and "interleaved RoPE" in row["status"]
+                                  for row in rows)
+    with pytest.raises(lrkv.PlanError, match="no attention site of this model matched"):
+        lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+
+
+def test_the_readme_lists_every_family_with_what_is_rewritten():
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for family in zoo.FAMILIES.values():
+        assert f"| `{family.name}` | {family.config.removesuffix('Config')} | {family.rewritten} |" in readme
