@@ -175,15 +175,19 @@ def _plot_frontier(rows, title, path):
     figure.savefig(path, dpi=120)
 
 
-def cmd_calibrate(args):
-    """A plan for the user's model from the user's text, saved to a file."""
-    import lrkv_compile as lrkv
+def _model_and_batches(args):
+    """The model of --model and [--rows, --length] token ids of --text (default: the Python docs' calibration half)."""
     from .models import load_model, python_docs_text, text_batches, token_batches
     model, tokenizer = load_model(args.model)
     if args.text:
-        batches = text_batches(tokenizer, args.text, args.rows, args.length)
-    else:
-        batches = token_batches(tokenizer, python_docs_text()[0], args.rows, args.length)
+        return model, text_batches(tokenizer, args.text, args.rows, args.length)
+    return model, token_batches(tokenizer, python_docs_text()[0], args.rows, args.length)
+
+
+def cmd_calibrate(args):
+    """A plan for the user's model from the user's text, saved to a file."""
+    import lrkv_compile as lrkv
+    model, batches = _model_and_batches(args)
     exact = dict(context=args.context, sinks=args.sinks, window=args.window)
     if args.keep is not None:
         plan = lrkv.calibrate(model, batches, keep=args.keep, **exact)
@@ -198,12 +202,7 @@ def cmd_calibrate(args):
 def cmd_transfer(args):
     """A plan for the user's model carried over from a plan of another model, re-estimated on the user's text."""
     import lrkv_compile as lrkv
-    from .models import load_model, python_docs_text, text_batches, token_batches
-    model, tokenizer = load_model(args.model)
-    if args.text:
-        batches = text_batches(tokenizer, args.text, args.rows, args.length)
-    else:
-        batches = token_batches(tokenizer, python_docs_text()[0], args.rows, args.length)
+    model, batches = _model_and_batches(args)
     plan = lrkv.transfer(args.plan, model, batches)
     _folder_of(args.output)
     plan.save(args.output)
