@@ -5,7 +5,7 @@ import torch
 import lrkv_compile as lrkv
 from lrkv_compile.passes.sites import find_sites, parameter_name
 from lrkv_compile.trace import capture
-from strategies import build_model
+from strategies import TOLERANCE, build_model
 
 SMALL = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32, attention_bias=True,
              num_hidden_layers=2, dtype=torch.float32, seed=0)
@@ -66,3 +66,21 @@ def test_find_sites_records_cache_kind():
     sites, unmatched = find_sites(gm, name_of)
     assert not unmatched and [s.cache for s in sites] == ["none", "none"]
     assert sites[0].out_proj is not None and sites[0].rope is not None
+
+
+def test_a_model_with_an_unknown_layer_in_the_middle_runs_it_stock_beside_latent_ones():
+    """The matcher leaves layer 1 untouched (reported); the plan covers layers 0 and 2, and a LatentCache holds
+    layer 1's full keys and values in a stock layer."""
+    model = unknown_keys(build_model({**SMALL, "num_hidden_layers": 3}), layers={1})
+    with pytest.warns(lrkv.LrkvWarning, match="did not match and are left out of the plan"):
+        plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    assert [site.layer for site in plan.sites] == [0, 2]
+    ids = torch.randint(0, 61, (1, 6))
+    with pytest.warns(lrkv.LrkvWarning, match="left untouched"):
+        compiled = lrkv.compile(model, plan)
+        out = compiled.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True)
+    assert [type(layer).__name__ for layer in compiled.cache.layers] == ["LatentLayer", "StaticLayer", "LatentLayer"]
+    with torch.no_grad():
+        expected = lrkv.low_rank_reference(model, plan)(out.sequences).logits[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), expected, **TOLERANCE[torch.float32])
