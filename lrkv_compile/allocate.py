@@ -87,24 +87,25 @@ def layouts_for(rank: int, rotation: str, outliers: int = 0) -> list[Layout]:
 
 @torch.no_grad()
 def score(factor, samples: torch.Tensor, outputs: torch.Tensor, fisher: torch.Tensor, ranks, rotation: str,
-          outlier_options=(0,)) -> list:
+          outlier_options=(0,), extra=()) -> list:
     """Candidates of one side of one site. factor(rank, layout) -> (down, up) as the plan would store them;
     samples [n, hidden] calibration inputs, outputs [n, out] = samples @ W^T, fisher [out, out] per token;
-    outlier_options: the numbers of leading channels kept in float16 to try (0 only for a multi-block side)."""
+    outlier_options: the numbers of leading channels kept in float16 to try (0 only for a multi-block side);
+    extra: further (rank, layout) pairs to score beside that grid (any bits, axis or rotation)."""
     def fisher_loss(error):
         return float(torch.einsum("nd,de,ne->", error, fisher, error)) / len(samples)
 
+    grid = [(rank, layouts_for(rank, rotation, outliers)) for rank in ranks
+            for outliers in outlier_options if outliers < rank]
     candidates = []
-    for rank in ranks:
-        for outliers in (count for count in outlier_options if count < rank):
-            layouts = layouts_for(rank, rotation, outliers)
-            down, up = factor(rank, layouts[0])  # the factors depend on the rank and the outliers only
-            latents = samples @ down
-            truncation = fisher_loss(latents @ up - outputs)
-            for layout in layouts:
-                restored = fake_quantize(latents, layout.bits, layout.group, layout.axis, layout.outliers)
-                loss = fisher_loss(restored @ up - outputs)
-                candidates.append(Candidate(rank, layout, layout.bytes_per_token(rank), loss, truncation))
+    for rank, layouts in grid + [(rank, [layout]) for rank, layout in extra]:
+        down, up = factor(rank, layouts[0])  # the factors depend on the rank, rotation and outliers only
+        latents = samples @ down
+        truncation = fisher_loss(latents @ up - outputs)
+        for layout in layouts:
+            restored = fake_quantize(latents, layout.bits, layout.group, layout.axis, layout.outliers)
+            loss = fisher_loss(restored @ up - outputs)
+            candidates.append(Candidate(rank, layout, layout.bytes_per_token(rank), loss, truncation))
     return candidates
 
 

@@ -1,13 +1,22 @@
 """`lrkv.transfer`: carry a plan made on one model over to another (a fine-tune, or another architecture).
 
-The expensive part of calibration is choosing each layer's ranks and bits under a byte budget. A plan's choices
-carry over as shares: each side (K, V) of each layer keeps a fraction of its 16-bit bytes, with its layout
-(bits, group, scale axis, sinks, window, rotation). The target's layers take the shares of the source layers at
-the same relative depth, the ranks are set to those shares of the target's own dimensions, trimmed until the
-latents take no larger a share of the target's 16-bit cache than the source plan's do (its budget without the
-4 bytes of position per token, which weigh more in a smaller model), and the factors are re-estimated from the
-target's text (one pass of activation statistics and one whitened SVD per side, as calibration does before its
-search).
+Calibration scores every (rank, bits, group) candidate of every site and searches the whole model's allocation
+under the budget. A transfer keeps the source plan's budget (its latents' share of a 16-bit cache at its context)
+and layouts' rotation, sinks and window, takes each layer's byte share from it, and measures on the target only
+how to spend each layer's bytes:
+
+- Each target layer gets a share of its 16-bit bytes: the source layer's at the same relative depth when the
+  target has as many layers as the source (a fine-tune, or a sibling of the same depth), else the source's mean
+  share; scaled so that the latents take the source's share of the target's cache. Relative depth does not carry
+  a layer's importance from one architecture to another: on Gemma 3 270M (perplexity on held-out rows of the
+  calibration text, budget 0.2), the layouts measured within the shares of SmolLM2's layers at the same depth
+  gave 28.3, within equal shares 26.8, and within equal shares split between K and V as SmolLM2 splits them 29.4.
+- Within its layer's bytes, K and V get the (rank, layout) pair of least estimated loss among calibration's
+  candidates (`lrkv_compile.allocate`: factored, rotated and quantized as the plan will be, scored by their
+  Fisher-weighted output error) and the source side's own layout at the rank of its share; the loss gradients
+  for that come from the first MEASURED_ROWS rows of the text only.
+- The factors are re-estimated from all of the target's text (one pass of activation statistics, one whitened
+  SVD per side).
 """
 import math
 from dataclasses import dataclass, replace
@@ -15,21 +24,30 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from tqdm.auto import tqdm
 
 from lrkv_compile.passes.factorize import blocks_for
-from .calibrate import DEFAULT_GROUP_SIZE, as_batches, collect_stats, side_spectra, site_plans
+from .allocate import OUTLIER_CHANNELS, candidate_ranks, score, search, with_exact
+from .calibrate import (DEFAULT_GROUP_SIZE, DEFAULT_SINKS, DEFAULT_WINDOW, _factor, as_batches, collect_stats,
+                        side_spectra, site_plans)
 from .errors import PlanError
 from .plan import POSITION_BYTES, RankPlan
+
+# Rows of the target's text whose loss gradients weigh the candidates (on Gemma 3 270M a row of 512 tokens with
+# its backward pass takes about three times its forward pass). There, Fisher matrices from 2 rows chose the same
+# layouts as from 4 (held-out perplexity 27.0; 26.8 with the gradients of all 8 rows, as calibration takes them).
+MEASURED_ROWS = 2
 
 
 @dataclass(frozen=True)
 class Mapping:
-    """One target side's carry-over: the source layer it follows, the source's share of the 16-bit bytes, and
-    what the target got (rank, layout, share, and what had to change)."""
+    """One target side's carry-over: the source layer it follows, the source side's share of its 16-bit bytes,
+    the share of its layer's 16-bit bytes the layer got, and what the side got (rank, layout, share)."""
     layer: int
     side: str
     source_layer: int
     source_share: float
+    layer_share: float
     rank: int
     full_dim: int
     layout: object
@@ -47,8 +65,8 @@ def _share(layout, rank: int, full_dim: int, context: int) -> float:
 
 
 def _ranks(blocks: int, cap: int, outliers: int) -> list[int]:
-    """Candidate ranks of a side: multiples of 8 and of its blocks up to `cap` (and `cap`), above its outlier
-    channels."""
+    """Ranks of a side for the source's layout: multiples of 8 and of its blocks up to `cap` (and `cap`), above
+    its outlier channels."""
     step = math.lcm(blocks, 8)
     ranks = [rank for rank in range(step, cap + 1, step) if rank > outliers]
     return ranks + [cap] if cap % blocks == 0 and cap > outliers and cap not in ranks else ranks
@@ -72,11 +90,21 @@ def _scheme(scheme: str, kv_heads: int, group_size: int):
         return "joint", 1, f"joint (its {kv_heads} KV heads do not take {scheme})"
 
 
+def _carried(layout, source_rank: int, source_share: float, blocks: int, cap: int, full_dim: int, context: int):
+    """(rank, layout): the source side's layout at the target rank whose share is nearest the source's, or None
+    where no rank of the target takes that layout."""
+    found = [(rank, _layout_at(layout, source_rank, rank)) for rank in _ranks(blocks, cap, layout.outliers)]
+    if not found:
+        return None
+    return min(found, key=lambda pair: abs(_share(pair[1], pair[0], full_dim, context) - source_share))
+
+
 def transfer(plan, model, batches, progress: bool = True, show: bool = True) -> RankPlan:
-    """A plan for `model` made from `plan` (a RankPlan, or the path of a saved one) of another model: each target
-    layer takes the byte shares and layouts of the source layer at its relative depth, within the source plan's
-    budget, with factors re-estimated from `batches` (token ids of the target's text, as `lrkv.calibrate` takes
-    them). Prints the mapping when `show`; `transfer_with_mapping` also returns it."""
+    """A plan for `model` made from `plan` (a RankPlan, or the path of a saved one) of another model, within the
+    source plan's budget: each target layer gets a byte share (the source's at the same relative depth for a
+    target of the source's depth, else an equal one), and within it the ranks and layouts of its K and V that
+    measure best on `batches` (token ids of the target's text, as `lrkv.calibrate` takes them), with factors
+    re-estimated from them. Prints the mapping when `show`; `transfer_with_mapping` also returns it."""
     return transfer_with_mapping(plan, model, batches, progress, show)[0]
 
 
@@ -86,47 +114,93 @@ def transfer_with_mapping(plan, model, batches, progress: bool = True, show: boo
         plan = RankPlan.load(plan)
     if not isinstance(plan, RankPlan):
         raise PlanError(f"transfer needs a RankPlan or the path of a saved plan, got {type(plan).__name__}")
-    stats = collect_stats(model, as_batches(batches), progress)
+    rows = [row[None] for batch in as_batches(batches) for row in batch]
+    measured = collect_stats(model, rows[:MEASURED_ROWS], progress, fisher=True)
+    stats = measured
+    if rows[MEASURED_ROWS:]:  # the activation statistics of the other rows, added to the measured rows' ones
+        stats = collect_stats(model, rows[MEASURED_ROWS:], progress)
+        stats.grams[:] = [gram + measured_gram for gram, measured_gram in zip(stats.grams, measured.grams)]
+        stats.tokens += measured.tokens
     sites, context = stats.sites, plan.context
-    schemes, blocks, options, choices, origins = {}, {}, {}, {}, {}
-    for position, site in enumerate(sites):
-        source = plan.sites[_source_layer(position, len(sites), len(plan.sites))]
+    follow_depth = len(sites) == len(plan.sites)
+    sources = [plan.sites[_source_layer(position, len(sites), len(plan.sites))] for position in range(len(sites))]
+    layer_shares = [source.bytes_per_token(context) / (4 * source.full_dim) if follow_depth else latent_share(plan)
+                    for source in sources]
+    full_dims = [site.num_kv_heads * site.head_dim for site in sites]
+    # scaled so that the layers' bytes add up to the source's latent share of this model's 16-bit cache
+    scale = latent_share(plan) * sum(full_dims) / sum(share * dim for share, dim in zip(layer_shares, full_dims))
+    schemes, blocks, origins, carried_layouts, carried = {}, {}, {}, {}, {}
+    for site, source in zip(sites, sources):
         full_dim = site.num_kv_heads * site.head_dim
         for side in ("k", "v"):
             source_layout, source_rank = getattr(source, f"{side}_layout"), getattr(source, f"rank_{side}")
             source_share = _share(source_layout, source_rank, source.full_dim, context)
             scheme, side_blocks, note = _scheme(getattr(source, f"{side}_scheme"), site.num_kv_heads,
                                                 DEFAULT_GROUP_SIZE)
-            layout = source_layout
-            if layout.outliers and side_blocks != 1:
-                layout, note = replace(layout, outliers=0), ", ".join(filter(None, (note, "no outlier channels")))
-            # (share, rank, layout) from the smallest rank up
-            found = [(_share(at, rank, full_dim, context), rank, at) for rank in
-                     _ranks(side_blocks, min(site.hidden_size, full_dim), layout.outliers)
-                     for at in [_layout_at(layout, source_rank, rank)]]
-            if not found:
-                raise PlanError(f"layer {site.layer} {side.upper()}: no rank of its {full_dim} channels fits the "
-                                f"source layout {source_layout}; calibrate this model directly (lrkv.calibrate)")
+            if source_layout.outliers and side_blocks != 1:
+                source_layout = replace(source_layout, outliers=0)
+                note = ", ".join(filter(None, (note, "no outlier channels")))
             schemes[site.index, side], blocks[site.index, side] = scheme, side_blocks
-            options[site.index, side] = found
-            choices[site.index, side] = min(range(len(found)), key=lambda i: abs(found[i][0] - source_share))
-            origins[site.index, side] = (source.layer, source_share, note)
-    _trim_to_budget(sites, options, choices, origins, latent_share(plan))
-    choices = {key: options[key][choice][1:] for key, choice in choices.items()}
-    _, spectra = side_spectra(model, sites, stats, blocks, progress)
-    result = RankPlan(sites=site_plans(model, sites, schemes, blocks, spectra, choices),
+            origins[site.index, side] = (source.layer, source_share, source_layout, note)
+            carried_layouts[site.index, side] = _carried(source_layout, source_rank, source_share, side_blocks,
+                                                         min(site.hidden_size, full_dim), full_dim, context)
+    weights, spectra = side_spectra(model, sites, stats, blocks, progress)
+    choices = {}
+    for site, layer_share in zip(tqdm(sites, desc="lrkv transfer: measure layouts", disable=not progress,
+                                      unit="layer"), layer_shares):
+        options = {}
+        for side in ("k", "v"):
+            key = (site.index, side)
+            options[key], carried[key] = _candidates(site, side, blocks[key], origins[key][2], carried_layouts[key],
+                                                     weights[key], spectra[key], measured, context)
+        choices.update(_best_in_layer(site, options, layer_share * scale * 4 * full_dims[site.index]))
+    result = RankPlan(sites=site_plans(model, sites, schemes, blocks, spectra,
+                                       {key: (c.rank, c.layout) for key, c in choices.items()}),
                       source=f"transferred from a {len(plan.sites)}-layer plan ({plan.source})",
                       calibration_tokens=stats.tokens, context=context)
     mapping = []
-    for site in sites:
-        full_dim = site.num_kv_heads * site.head_dim
+    for site, layer_share in zip(sites, layer_shares):
         for side in ("k", "v"):
-            (rank, layout), (source_layer, source_share, note) = choices[site.index, side], origins[site.index, side]
-            mapping.append(Mapping(site.layer, side, source_layer, source_share, rank, full_dim, layout,
-                                   _share(layout, rank, full_dim, context), note))
+            key = (site.index, side)
+            chosen, (source_layer, source_share, _, note) = choices[key], origins[key]
+            if chosen is carried[key]:
+                note = ", ".join(filter(None, ("the source's layout", note)))
+            mapping.append(Mapping(site.layer, side, source_layer, source_share, layer_share * scale, chosen.rank,
+                                   full_dims[site.index], chosen.layout,
+                                   _share(chosen.layout, chosen.rank, full_dims[site.index], context), note))
     if show:
-        _print(mapping, plan, result)
+        _print(mapping, plan, result, "the source's by depth" if follow_depth else "equal (another depth)")
     return result, mapping
+
+
+def _candidates(site, side, side_blocks, source_layout, carried, weight, factors, measured, context):
+    """(candidates, the carried one or None) of one side, scored on the measured rows: calibration's (with the
+    source layout's rotation, sinks and window where it is quantized), and the source's own layout at its carried
+    (rank, layout), if any."""
+    quantized = source_layout.bits != 16
+    rotation = source_layout.rotation if quantized else "hadamard"
+    sinks, window = (source_layout.sinks, source_layout.window) if quantized else (DEFAULT_SINKS, DEFAULT_WINDOW)
+    samples, full_dim = measured.samples[site.index], site.num_kv_heads * site.head_dim
+    scored = score(lambda rank, layout: _factor(factors, side_blocks, rank, layout, site.index), samples,
+                   samples @ weight.T, (measured.fisher[site.index, side] / measured.tokens).float(),
+                   candidate_ranks(full_dim, site.hidden_size, side_blocks), rotation,
+                   (0, *OUTLIER_CHANNELS) if side_blocks == 1 else (0,), extra=[carried] if carried else ())
+    if not carried:
+        return [with_exact(candidate, sinks, window, context) for candidate in scored], None
+    found = [with_exact(candidate, sinks, window, context) for candidate in scored[:-1]]
+    own = replace(scored[-1], bytes=scored[-1].layout.bytes_per_token(scored[-1].rank, context))
+    return found + [own], own
+
+
+def _best_in_layer(site, options, layer_bytes: float) -> dict:
+    """{(site, side): Candidate}: the K and V candidates of least summed cost within `layer_bytes` per token."""
+    sides = {(site.index, side): options[site.index, side] for side in ("k", "v")}
+    smallest = sum(min(candidate.bytes for candidate in found) for found in sides.values())
+    if smallest > layer_bytes:
+        raise PlanError(f"layer {site.layer} gets {layer_bytes:.1f} bytes per token of the source plan's budget and "
+                        f"takes at least {smallest:.1f} (its K and V at their lowest ranks and 2 bits); calibrate "
+                        "this model directly (lrkv.calibrate(model, batches, budget=...))")
+    return search(sides, layer_bytes)
 
 
 def latent_share(plan: RankPlan) -> float:
@@ -135,39 +209,23 @@ def latent_share(plan: RankPlan) -> float:
     return plan.budget - POSITION_BYTES / sum(2 * 2 * site.full_dim for site in plan.sites)
 
 
-def _trim_to_budget(sites, options, choices, origins, share: float) -> None:
-    """Step ranks down, each time the side furthest above its source share, until the latents take at most
-    `share` of the model's 16-bit cache bytes."""
-    full = {(site.index, side): site.num_kv_heads * site.head_dim for site in sites for side in ("k", "v")}
-
-    def total():
-        return sum(options[key][choice][0] * full[key] for key, choice in choices.items()) / sum(full.values())
-    while total() > share * (1 + 1e-9):
-        lowerable = [key for key, choice in choices.items() if choice > 0]
-        if not lowerable:
-            raise PlanError(f"the source plan's latents take {share:.3f} of a 16-bit cache's bytes, and this model's "
-                            f"take {total():.3f} at their smallest ranks in the source's layouts; calibrate it "
-                            "directly (lrkv.calibrate(model, batches, budget=...))")
-        key = max(lowerable, key=lambda key: options[key][choices[key]][0] / origins[key][1])
-        choices[key] -= 1
-
-
 def _layout_text(layout) -> str:
     if layout.bits == 16:
         return "16-bit"
-    return f"{layout.bits}-bit/{layout.group} {layout.axis}"
+    outliers = f" +{layout.outliers} fp16" if layout.outliers else ""
+    return f"{layout.bits}-bit/{layout.group} {layout.axis}{outliers}"
 
 
-def _print(mapping, source, result) -> None:
+def _print(mapping, source, result, shares: str) -> None:
     table = Table(title=f"lrkv transfer: {len(source.sites)}-layer plan (budget {source.budget:.3f}) -> "
-                        f"{len(result.sites)} layers (budget {result.budget:.3f})")
-    for column in ("layer", "side", "from layer", "source share", "rank", "layout", "share", "note"):
+                        f"{len(result.sites)} layers (budget {result.budget:.3f}); layer shares {shares}")
+    for column in ("layer", "side", "from layer", "source share", "layer share", "rank", "layout", "share", "note"):
         table.add_column(column)
     for row in mapping:
         table.add_row(str(row.layer), row.side.upper(), str(row.source_layer), f"{row.source_share:.3f}",
-                      f"{row.rank}/{row.full_dim}", _layout_text(row.layout), f"{row.share:.3f}", row.note)
+                      f"{row.layer_share:.3f}", f"{row.rank}/{row.full_dim}", _layout_text(row.layout),
+                      f"{row.share:.3f}", row.note)
     console = Console()
     if not console.is_terminal:
         console.width = 160
     console.print(table)
-

@@ -27,6 +27,11 @@ def test_a_plan_carries_over_to_another_architecture_within_its_budget(source_pl
     assert len(plan.sites) == 3
     assert 0.8 * latent_share(source_plan) < latent_share(plan) <= latent_share(source_plan)
     assert [row.source_layer for row in mapping[::2]] == [0, 2, 4]  # relative depth: first, middle, last
+    # another depth: every layer gets the same share, and its K and V stay within it
+    assert len({round(row.layer_share, 9) for row in mapping}) == 1
+    layer_share = {row.layer: row.layer_share for row in mapping}
+    for site in plan.sites:
+        assert site.bytes_per_token(plan.context) <= layer_share[site.layer] * 4 * site.full_dim * (1 + 1e-9)
     assert plan.calibration_tokens == batches.numel() and "transferred" in plan.source
     lrkv.check(target, plan)
     reference = lrkv.low_rank_reference(target, plan)
@@ -41,6 +46,19 @@ def test_a_plan_carries_over_to_another_architecture_within_its_budget(source_pl
                                        **TOLERANCE[torch.float32])
 
 
+def test_a_target_of_the_source_depth_follows_its_layer_shares(source_plan):
+    """Same number of layers (other heads and head_dim): each layer gets the share of the source layer at its
+    depth, scaled to the source's budget."""
+    target = zoo.build("mistral", layers=5, heads=4, kv_heads=2, head_dim=32, seed=9)
+    batches = torch.randint(3, zoo.VOCAB, (2, 64), generator=torch.Generator().manual_seed(10))
+    plan, mapping = transfer_with_mapping(source_plan, target, batches, progress=False, show=False)
+    source_shares = torch.tensor([site.bytes_per_token(source_plan.context) / (4 * site.full_dim)
+                                  for site in source_plan.sites], dtype=torch.float64)
+    shares = torch.tensor([row.layer_share for row in mapping[::2]], dtype=torch.float64)
+    torch.testing.assert_close(shares / shares.sum(), source_shares / source_shares.sum())
+    assert latent_share(plan) <= latent_share(source_plan)
+
+
 def test_a_full_rank_plan_carried_to_a_fine_tune_is_its_own_model():
     """Same architecture, other weights (a fine-tune): a full-rank 16-bit plan re-estimated on the target gives
     the target's own logits, where the source's factors would not fit it."""
@@ -49,7 +67,9 @@ def test_a_full_rank_plan_carried_to_a_fine_tune_is_its_own_model():
     plan = lrkv.RankPlan.uniform(source, keep=1.0, progress=False)
     with pytest.raises(lrkv.PlanMismatchError, match="lrkv.transfer"):
         lrkv.compile(tuned, plan)
-    carried = lrkv.transfer(plan, tuned, torch.randint(3, zoo.VOCAB, (2, 32)), progress=False, show=False)
+    carried, mapping = transfer_with_mapping(plan, tuned, torch.randint(3, zoo.VOCAB, (2, 32)), progress=False,
+                                             show=False)
+    assert all(row.note == "the source's layout" and row.rank == row.full_dim for row in mapping)
     ids = torch.randint(3, zoo.VOCAB, (2, 8))
     with torch.no_grad():
         expected = tuned(input_ids=ids).logits
