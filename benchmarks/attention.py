@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
-from lrkv_compile.kernels.latent_decode import CONFIGS, fits_in_registers
 from lrkv_compile.lowering import reference
 from lrkv_compile.lowering.quantize import exact_dtype, packed_width
-from lrkv_compile.lowering.triton_decode import DEFAULT, DecodeConfig, decode_attention_with
+from lrkv_compile.lowering.triton_decode import CANDIDATES, DEFAULT, decode_attention_with
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
 SETTINGS = [(16, 4096), (16, 16384), (4, 65536)]
@@ -37,7 +36,6 @@ PLANS = [  # scheme, keep of K and V channels, bits, quantization group, exact s
     dict(plan="joint keep 0.25", scheme="joint", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0, sinks=0),
 ]
 JOINT_TFLOP_LIMIT = 5.0  # joint keys are rebuilt from every latent channel per KV head: skip rows beyond this
-SWEPT = {(32, 4, 3), (32, 4, 2), (32, 4, 1), (64, 4, 3), (64, 8, 2)}  # of kernels.latent_decode.CONFIGS
 
 
 def _orthonormal_rows(rank, width, generator):
@@ -150,27 +148,14 @@ def compiled_resources():
     return found
 
 
-def sweep(kwargs, shape, plan):
-    """Launch geometries at this size, fastest first."""
-    group = shape["heads"] // shape["kv_heads"]
-    v_chunk = min(128, max(16, 1 << (int(plan["keep_v"] * shape["head_dim"]) - 1).bit_length()))
+def sweep(kwargs):
+    """The launch geometries of `triton_decode.CANDIDATES` at this size, fastest first."""
     results = []
-    for config in CONFIGS:
-        block, warps = config.kwargs["BLOCK_S"], config.num_warps
-        if (block, warps, config.num_stages) not in SWEPT:
-            continue
-        if not fits_in_registers(block, warps, shape["head_dim"], 1 if group == 1 else 16, v_chunk, group == 1):
-            continue
-        candidate = DecodeConfig(block_s=block, num_warps=warps, num_stages=config.num_stages)
+    for candidate in CANDIDATES:
         try:
             results.append((time_ms(lambda: decode_attention_with(candidate, **kwargs)), candidate))
         except Exception as error:  # a geometry the compiler rejects is reported, not fatal
             print(f"  {candidate}: {type(error).__name__}: {str(error)[:200]}")
-    results.sort(key=lambda item: item[0])
-    best = results[0][1]
-    for waves in (1.0, 4.0, 8.0):
-        candidate = dataclasses.replace(best, waves=waves)
-        results.append((time_ms(lambda: decode_attention_with(candidate, **kwargs)), candidate))
     results.sort(key=lambda item: item[0])
     return results
 
@@ -195,12 +180,12 @@ def main():
                 if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5":  # keep 0.5 takes keep 0.25's
                     continue
                 kwargs, _ = build(SHAPES[name], plan, 16, 16384, device)
-                results = sweep(kwargs, SHAPES[name], plan)
+                results = sweep(kwargs)
                 chosen[(name, plan["plan"])] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
                     chosen[(name, "head keep 0.5")] = results[0][1]
                 print(f"sweep {name} {plan['plan']}: " + ", ".join(
-                    f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/x{c.waves:g}"
+                    f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/x{c.waves:g}/{c.max_registers}r"
                     for ms, c in results[:6]))
                 sweeps.append(dict(shape=name, plan=plan["plan"], results=[
                     dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))

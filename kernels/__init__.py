@@ -1,7 +1,7 @@
-"""Triton kernels for the latent ops (the pure `@triton.jit` code and its launch configurations).
+"""Triton kernels for the latent ops (the pure `@triton.jit` code; launch geometries live with the launcher).
 
 `latent_decode`: decode attention (one new token per sequence) over a latent cache, 16-bit or quantized, in
 the byte layout `lowering/quantize.py` documents; `latent_tiles`: reading one tile of that layout. Launched
-by `lowering/triton_decode.py`, checked against the reference op by `tests/test_kernels.py` (on CPU under
-Triton's interpreter). Not yet called by the compiled model: the ops still run their PyTorch reference.
+by `lowering/triton_decode.py` (which the compiled model's `latent_attention` op calls on CUDA decode steps),
+checked against the reference op by `tests/test_kernels.py` (on CPU under Triton's interpreter, and on a GPU).
 """

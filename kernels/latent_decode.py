@@ -1,52 +1,25 @@
-"""Triton decode attention over the latent cache: the `@triton.jit` code and its tuning configs only (the
-launcher, with its checks, is `lowering/triton_decode.py`; the oracle is `lowering/reference.py`).
+"""Triton decode attention over the latent cache: the `@triton.jit` code only (the launcher, with its checks and
+launch geometries, is `lowering/triton_decode.py`; the oracle is `lowering/reference.py`).
 
 One program per (batch row, KV head, split of the slots, chunk of value channels). Per tile of BLOCK_S slots it
 reads the key latents of the KV head's own block of channels (all channels for a dense `up_k`) as the reference
-reads them (`latent_tiles.py`: unpacked, dequantized, exact sink/window copies where held), multiplies them on
-tensor cores by the head's block of `up_k` (with one query head per KV head, by `up_k` with the query
-absorbed), rotates to the stored positions, scores every query head of the KV head, and keeps an online
-softmax and p·C_v in latent space. This step's token comes from its exact latents last. Partial (max, sum,
-context) per split go to small buffers [batch*kv_heads, splits, group, channels]; `combine_splits_kernel`
-reduces them.
+reads them (`latent_tiles.py`: unpacked, dequantized, exact sink/window copies where held), rebuilds the keys on
+tensor cores with the head's block of `up_k`, turns them to their positions, scores every query head of the KV
+head on tensor cores (G_PAD rows), and keeps an online softmax and p·C_v in latent space. This step's token comes
+from its exact latents last. Partial (max, sum, context) per split go to small buffers [batch*kv_heads, splits,
+group, channels]; `combine_splits_kernel` reduces them.
 
-RoPE at a slot's position p = p0 + δ (p0 the tile's first position) is R(p0) R(δ): R(δ) for δ < BLOCK_S is a
-table made once per program and turned by p0 f once per tile, so no slot pays for a sine (a tile whose
-positions are not consecutive, e.g. at left padding, computes its angles per slot). fl(p0 f) + fl(δ f) differs
-from the reference's fl(p f) by float32 rounding of the angle (~1e-4 rad at position 4K for the fastest
-frequency); fp32 models correct that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
+RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for
+δ < BLOCK_S is a table made once per program, the queries turn by R(-p0) once per tile, so no slot pays for a
+sine (a tile whose positions are not consecutive, e.g. at left padding, computes its angles per slot); each
+tile's positions are loaded one tile ahead. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32
+rounding of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models correct that to first
+order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 """
-import os
-
 import triton
 import triton.language as tl
 
 from .latent_tiles import latent_tile
-
-
-def _configs():
-    """Tile shapes tried when tuning; the interpreter gets one (it runs every config it is given)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"BLOCK_S": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_S": block}, num_warps=warps, num_stages=stages)
-            for block in (32, 64, 128) for warps in (4, 8) for stages in (1, 2, 3)]
-
-
-CONFIGS = _configs()
-
-
-def fits_in_registers(block_s, num_warps, head_dim, g_pad, v_chunk, absorb) -> bool:
-    """Whether a tile's fp32 working set (two dot results, RoPE tables, accumulators) can stay in registers."""
-    floats = 6 * block_s * head_dim // 2 + g_pad * v_chunk * (block_s if absorb else 1)
-    return floats / (32 * num_warps) <= 160
-
-
-def prune_configs(configs, named_args, **kwargs):
-    """`triton.autotune` pruner: the configs whose tiles fit in registers (at least one)."""
-    kept = [config for config in configs
-            if fits_in_registers(config.kwargs["BLOCK_S"], config.num_warps, named_args["HEAD_DIM"],
-                                 named_args["G_PAD"], named_args["V_CHUNK"], named_args["ABSORB"])]
-    return kept or configs[:1]
 
 
 @triton.jit
@@ -86,26 +59,11 @@ def _split_range(length_ptr, num_splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _steady_rotation(cos_delta, sin_delta, pos, start, delta, inv_freq, EXACT_ANGLES: tl.constexpr,
-                     FAST_TRIG: tl.constexpr):
-    """cos and sin [BLOCK_S, HALF] of a steady tile's angles (p0 + δ) f: the table turned by the tile's base
-    angle p0 f (per frequency, once per tile), and for fp32 models by what fl(p f) - fl(p0 f) - fl(δ f) leaves
-    (the reference rounds the product fl(p f); first order in that float32 rounding)."""
-    base = start.to(tl.float32) * inv_freq
-    cos_base, sin_base = _trig(_reduce_angle(base), FAST_TRIG)
-    cos_t = cos_delta * cos_base[None, :] - sin_delta * sin_base[None, :]
-    sin_t = sin_delta * cos_base[None, :] + cos_delta * sin_base[None, :]
-    if EXACT_ANGLES:
-        rest = (pos.to(tl.float32)[:, None] * inv_freq[None, :] - base[None, :]) \
-            - delta.to(tl.float32)[:, None] * inv_freq[None, :]
-        cos_t, sin_t = cos_t - rest * sin_t, sin_t + rest * cos_t
-    return cos_t, sin_t
-
-
-@triton.jit
-def _slot_rotation(pos, inv_freq, FAST_TRIG: tl.constexpr):
-    """cos and sin [BLOCK_S, HALF] of each slot's own angle (tiles whose positions are not consecutive)."""
-    return _trig(_reduce_angle(pos.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_TRIG)
+def _angle_rest(pos, start, offset, inv_freq):
+    """[BLOCK_S, HALF] what fl(p f) - fl(p0 f) - fl((p - p0) f) leaves: the reference rounds the product fl(p f),
+    the kernel turns keys by (p - p0) f and queries by p0 f; fp32 models add it to first order."""
+    return (pos.to(tl.float32)[:, None] * inv_freq[None, :] - (start.to(tl.float32) * inv_freq)[None, :]) \
+        - offset.to(tl.float32)[:, None] * inv_freq[None, :]
 
 
 @triton.jit
@@ -147,22 +105,14 @@ def _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, po
 
 
 @triton.jit
-def _softmax_step(m_i, l_i, scores, ABSORB: tl.constexpr):
-    """Online softmax over one more tile: scores [BLOCK_S] against scalar state (ABSORB, one query head) or
-    [G_PAD, BLOCK_S] against [G_PAD] state. Returns the new max and sum, the old state's factor and p."""
-    if ABSORB:
-        m_new = tl.maximum(m_i, tl.max(scores, 0))
-    else:
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+def _softmax_step(m_i, l_i, scores):
+    """Online softmax over one more tile: scores [G_PAD, BLOCK_S] against [G_PAD] state. Returns the new max and
+    sum, the old state's factor and p."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep every weight 0
     alpha = tl.exp(m_i - m_use)
-    if ABSORB:
-        p = tl.exp(scores - m_use)
-        l_new = l_i * alpha + tl.sum(p, 0)
-    else:
-        p = tl.exp(scores - m_use[:, None])
-        l_new = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_new, alpha, p
+    p = tl.exp(scores - m_use[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
 
 
 @triton.jit
@@ -182,19 +132,15 @@ def latent_decode_kernel(
         V_HEADS_PER_BLOCK: tl.constexpr, V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
         V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
-        HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, ABSORB: tl.constexpr,
+        HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_TRIG: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
     """Partial attention of one (batch row, KV head, split, value chunk).
 
-    ABSORB (one query head per KV head, G_PAD 1): the query goes into the factor once per program,
-    W_a = q1 U1 + q2 U2 and W_b = q2 U1 - q1 U2, so that q·RoPE(c U + b) = Σ_j cos_j (c W_a + b_a)_j +
-    sin_j (c W_b + b_b)_j: two tensor-core dots per tile, sums on CUDA cores, keys never formed, and p·C_v kept
-    [BLOCK_S, V_CHUNK] until after the loop. Else keys [BLOCK_S, HEAD_DIM] are rebuilt once per tile (c U + b),
-    turned to their positions and scored against the GROUP_HEADS query heads padded to G_PAD rows, p·C_v on
-    tensor cores. Slots [s_lo, s_hi) of the split are read from the cache except this step's (length - 1), which
-    the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive; EXACT_ANGLES:
-    fp32 models (see _steady_rotation)."""
+    Per tile, keys [BLOCK_S, HEAD_DIM] are rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the
+    slot's offset from the tile's first position p0), and scored against the GROUP_HEADS query heads (padded to
+    G_PAD rows) turned by R(-p0). Online softmax, p·C_v on tensor cores. Slots [s_lo, s_hi) of the split are read from the cache except this step's (length - 1), which the split holding it adds last from
+    new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive; EXACT_ANGLES: fp32 models (see _angle_rest)."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     length, s_lo, s_hi = _split_range(length_ptr, num_splits, BLOCK_S)
@@ -215,90 +161,74 @@ def latent_decode_kernel(
         cos_delta, sin_delta = _trig(_reduce_angle(delta.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_TRIG)
     else:
         inv_freq = d.to(tl.float32)
+        q1r, q2r = q1.to(DOT_DTYPE), q2.to(DOT_DTYPE)
     if HAS_BIAS:
         bias1 = tl.load(bias_k_ptr + col).to(tl.float32)[None, :]
         bias2 = tl.load(bias_k_ptr + col + HALF).to(tl.float32)[None, :]
-        if ABSORB:
-            bias1, bias2 = q1 * bias1 + q2 * bias2, q2 * bias1 - q1 * bias2
     k_lo = (h // K_HEADS_PER_BLOCK) * K_BLOCK_RANK
     k_hi = k_lo + K_BLOCK_RANK
-    if ONE_K_CHUNK:  # the KV head's whole block of the factor (with the query absorbed), once
+    if ONE_K_CHUNK:  # the KV head's whole block of the factor, once
         rows = k_lo + tl.arange(0, K_CHUNK)
         up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
-        up1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0).to(tl.float32)
-        up2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0).to(tl.float32)
-        if ABSORB:
-            up1, up2 = q1 * up1 + q2 * up2, q2 * up1 - q1 * up2
-        up1, up2 = up1.to(DOT_DTYPE), up2.to(DOT_DTYPE)
+        up1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE)
+        up2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE)
     v_block = (h // V_HEADS_PER_BLOCK) * V_BLOCK_RANK
     v_lo = v_block + v_part * V_CHUNK
     v_hi = v_block + V_BLOCK_RANK
-    if ABSORB:
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_S, V_CHUNK], tl.float32)  # reduced over slots once, after the loop
-    else:
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, V_CHUNK], tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, V_CHUNK], tl.float32)
+    pos_row = pos_ptr + b * pos_sb
+    next_pos = tl.load(pos_row + s_lo + delta, mask=s_lo + delta < cached_hi, other=0)
+    next_start = tl.load(pos_row + s_lo, mask=s_lo < cached_hi, other=0)
     for t0 in range(s_lo, cached_hi, BLOCK_S):
         slots = t0 + delta
         slot_ok = slots < cached_hi
-        part1 = tl.zeros([BLOCK_S, HALF], tl.float32)  # c W_a and c W_b (ABSORB), else the keys' two halves
-        part2 = tl.zeros([BLOCK_S, HALF], tl.float32)
+        pos, start = next_pos, next_start
+        next_pos = tl.load(pos_row + slots + BLOCK_S, mask=slots + BLOCK_S < cached_hi, other=0)
+        next_start = tl.load(pos_row + t0 + BLOCK_S, mask=t0 + BLOCK_S < cached_hi, other=0)
+        key1 = tl.zeros([BLOCK_S, HALF], tl.float32)  # the keys' two halves
+        key2 = tl.zeros([BLOCK_S, HALF], tl.float32)
         for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
             latent = latent_tile(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
                                  k_exact_ptr, k_ex_sb, k_ex_ss, b, t0, slots, slot_ok, k_lo + c, k_hi, length,
                                  k_width, k_sinks, k_window, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-                                 K_CHUNK, BLOCK_S, DTYPE)
+                                 K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0)
             if ONE_K_CHUNK:
                 right1, right2 = up1, up2
             else:
                 rows = k_lo + c + tl.arange(0, K_CHUNK)
                 up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
-                right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0).to(tl.float32)
-                right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0).to(tl.float32)
-                if ABSORB:
-                    right1, right2 = q1 * right1 + q2 * right2, q2 * right1 - q1 * right2
-            part1 = _mm(latent, right1, part1, DOT_DTYPE, IEEE)
-            part2 = _mm(latent, right2, part2, DOT_DTYPE, IEEE)
+                right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0)
+                right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0)
+            key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
+            key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
         if HAS_BIAS:
-            part1 += bias1
-            part2 += bias2
-        if HAS_ROPE:  # applied inside each branch, so that no [BLOCK_S, HALF] table leaves it
-            pos = tl.load(pos_ptr + b * pos_sb + slots, mask=slot_ok, other=0)
-            start = tl.load(pos_ptr + b * pos_sb + t0)
-            if tl.sum(tl.where(slot_ok & (pos != start + delta), 1, 0), 0) == 0:
-                cos_t, sin_t = _steady_rotation(cos_delta, sin_delta, pos, start, delta, inv_freq, EXACT_ANGLES,
-                                                FAST_TRIG)
-                if ABSORB:
-                    scores = tl.sum(cos_t * part1 + sin_t * part2, 1)
-                else:
-                    part1, part2 = part1 * cos_t - part2 * sin_t, part2 * cos_t + part1 * sin_t
+            key1 += bias1
+            key2 += bias2
+        if HAS_ROPE:
+            offset = pos - start
+            if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) == 0:  # the table's angles δ f
+                cos_t, sin_t = cos_delta, sin_delta
             else:  # positions not consecutive (left padding, edited caches): angles per slot
-                cos_t, sin_t = _slot_rotation(pos, inv_freq, FAST_TRIG)
-                if ABSORB:
-                    scores = tl.sum(cos_t * part1 + sin_t * part2, 1)
-                else:
-                    part1, part2 = part1 * cos_t - part2 * sin_t, part2 * cos_t + part1 * sin_t
-        elif ABSORB:
-            scores = tl.sum(part1, 1)
+                cos_t, sin_t = _trig(_reduce_angle(offset.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_TRIG)
+            key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
+            if EXACT_ANGLES:
+                rest = _angle_rest(pos, start, offset, inv_freq)
+                key1, key2 = key1 - rest * key2, key2 + rest * key1
+            cos_q, sin_q = _trig(_reduce_angle(start.to(tl.float32) * inv_freq), FAST_TRIG)
+            q1r = (q1 * cos_q[None, :] + q2 * sin_q[None, :]).to(DOT_DTYPE)
+            q2r = (q2 * cos_q[None, :] - q1 * sin_q[None, :]).to(DOT_DTYPE)
+        scores = _mm(q1r, tl.trans(key1), tl.zeros([G_PAD, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
+        scores = _mm(q2r, tl.trans(key2), scores, DOT_DTYPE, IEEE)
         visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND)
-        if ABSORB:
-            scores = tl.where(visible, scores * qk_scale + additive, float("-inf"))             # [BLOCK_S]
-        else:
-            scores = _mm(q1, tl.trans(part1), tl.zeros([G_PAD, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
-            scores = _mm(q2, tl.trans(part2), scores, DOT_DTYPE, IEEE)
-            scores = tl.where(visible[None, :], scores * qk_scale + additive[None, :], float("-inf"))
-        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, scores, ABSORB)
+        scores = tl.where(visible[None, :], scores * qk_scale + additive[None, :], float("-inf"))
+        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, scores)
         values = latent_tile(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
                              v_exact_ptr, v_ex_sb, v_ex_ss, b, t0, slots, slot_ok, v_lo, v_hi, length,
                              v_width, v_sinks, v_window, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-                             V_CHUNK, BLOCK_S, DTYPE)
-        if ABSORB:
-            acc = acc * alpha + p[:, None] * values.to(tl.float32)
-        else:
-            acc = _mm(p, values, acc * alpha[:, None], DOT_DTYPE, IEEE)
+                             V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0)
+        acc = _mm(p, values, acc * alpha[:, None], DOT_DTYPE, IEEE)
     if (last >= s_lo) & (last < s_hi):  # this step's token, from its exact latents
         key1, key2 = _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb, inv_freq, b,
                                   h, last, k_lo, HEAD_DIM, K_BLOCK_RANK, K_CHUNK, HAS_BIAS, HAS_ROPE, DTYPE,
@@ -307,8 +237,6 @@ def latent_decode_kernel(
         score = tl.sum(q1 * key1[None, :] + q2 * key2[None, :], 1) * qk_scale \
             + tl.sum(tl.where(delta == 0, additive, 0.0), 0)
         score = tl.where(tl.sum(visible.to(tl.int32), 0) > 0, score, float("-inf"))          # [G_PAD]
-        if ABSORB:
-            score = tl.sum(score, 0)
         m_new = tl.maximum(m_i, score)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_use)
@@ -317,15 +245,8 @@ def latent_decode_kernel(
         m_i = m_new
         ch = v_lo + tl.arange(0, V_CHUNK)
         value = tl.load(new_v_ptr + b * new_v_sb + ch, mask=ch < v_hi, other=0.0).to(DTYPE).to(tl.float32)
-        if ABSORB:
-            acc = acc * alpha + tl.where((delta == 0)[:, None], p * value[None, :], 0.0)
-        else:
-            acc = acc * alpha[:, None] + p[:, None] * value[None, :]
+        acc = acc * alpha[:, None] + p[:, None] * value[None, :]
     row = (pid_bh * num_splits + tl.program_id(1)) * GROUP_HEADS + g                     # [G_PAD]
-    if ABSORB:
-        acc = tl.sum(acc, 0)[None, :]
-        m_i = tl.zeros([G_PAD], tl.float32) + m_i
-        l_i = tl.zeros([G_PAD], tl.float32) + l_i
     ch = v_part * V_CHUNK + tl.arange(0, V_CHUNK)
     tl.store(part_acc_ptr + row[:, None] * V_BLOCK_RANK + ch[None, :], acc,
              mask=g_ok[:, None] & (ch < V_BLOCK_RANK)[None, :])

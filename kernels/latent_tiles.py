@@ -16,16 +16,19 @@ def _as_float(codes):
 @triton.jit
 def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi, width,
                   BITS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                  DTYPE: tl.constexpr):
+                  DTYPE: tl.constexpr, EVEN: tl.constexpr):
     """Latents [BLOCK_S, CHUNK] of channels ch0.. (ch0, CHUNK and ch_hi multiples of GROUP, a power of two) from
     codes (rows: each slot's byte offset): each group's bytes are contiguous, so they load as [slots, groups,
     bytes] tiles, split into codes and dequantized with the group's scale broadcast, then tl.join interleaves the
     codes of a byte (or 3-byte word). tl.join adds the minor axis: code i lands at flat index i when the outer
     join pairs even and odd codes and the inner ones codes i and i + 2 (i + 4 for 8 codes). Groups at or past
-    ch_hi get scale and zero 0, so their values are 0."""
+    ch_hi get scale and zero 0, so their values are 0 (EVEN: none is)."""
     GROUPS: tl.constexpr = CHUNK // GROUP
     group = ch0 // GROUP + tl.arange(0, GROUPS)
-    ok = slot_ok[:, None] & (group * GROUP < ch_hi)[None, :]
+    if EVEN:
+        ok = slot_ok[:, None] & (group >= 0)[None, :]
+    else:
+        ok = slot_ok[:, None] & (group * GROUP < ch_hi)[None, :]
     scale = tl.load(scale_ptr + scale_rows[:, None] + group[None, :], mask=ok, other=0.0).to(tl.float32)[:, :, None]
     zero = tl.load(zero_ptr + scale_rows[:, None] + group[None, :], mask=ok, other=0.0).to(tl.float32)[:, :, None]
     if BITS == 3:
@@ -33,9 +36,14 @@ def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
         byte = (group[:, None] * WORDS + tl.arange(0, WORDS)[None, :]) * 3            # [GROUPS, WORDS]
         at = codes_ptr + rows[:, None, None] + byte[None, :, :]
         ok = slot_ok[:, None, None]
-        word = tl.load(at, mask=ok & (byte < width)[None], other=0).to(tl.int32)
-        word |= tl.load(at + 1, mask=ok & (byte + 1 < width)[None], other=0).to(tl.int32) << 8
-        word |= tl.load(at + 2, mask=ok & (byte + 2 < width)[None], other=0).to(tl.int32) << 16
+        if EVEN:
+            word = tl.load(at, mask=ok, other=0).to(tl.int32)
+            word |= tl.load(at + 1, mask=ok, other=0).to(tl.int32) << 8
+            word |= tl.load(at + 2, mask=ok, other=0).to(tl.int32) << 16
+        else:
+            word = tl.load(at, mask=ok & (byte < width)[None], other=0).to(tl.int32)
+            word |= tl.load(at + 1, mask=ok & (byte + 1 < width)[None], other=0).to(tl.int32) << 8
+            word |= tl.load(at + 2, mask=ok & (byte + 2 < width)[None], other=0).to(tl.int32) << 16
         even = tl.join(tl.join(_dequant(word & 7, scale, zero, DTYPE),
                                _dequant((word >> 12) & 7, scale, zero, DTYPE)),
                        tl.join(_dequant((word >> 6) & 7, scale, zero, DTYPE),
@@ -48,8 +56,12 @@ def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
     else:
         BYTES: tl.constexpr = GROUP * BITS // 8
         byte = group[:, None] * BYTES + tl.arange(0, BYTES)[None, :]                   # [GROUPS, BYTES]
-        raw = tl.load(codes_ptr + rows[:, None, None] + byte[None, :, :],
-                      mask=slot_ok[:, None, None] & (byte < width)[None], other=0).to(tl.int32)
+        if EVEN:
+            raw = tl.load(codes_ptr + rows[:, None, None] + byte[None, :, :], mask=slot_ok[:, None, None],
+                          other=0).to(tl.int32)
+        else:
+            raw = tl.load(codes_ptr + rows[:, None, None] + byte[None, :, :],
+                          mask=slot_ok[:, None, None] & (byte < width)[None], other=0).to(tl.int32)
         if BITS == 8:
             values = _dequant(raw, scale, zero, DTYPE)
         elif BITS == 4:
@@ -105,18 +117,22 @@ def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exac
                  b, first, slots, slot_ok, ch0, ch_hi, length, width, sinks, window,
                  BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
                  CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                 DTYPE: tl.constexpr):
+                 DTYPE: tl.constexpr, EVEN: tl.constexpr):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
     reference reads them: dequantized codes, or the exact copy where the cache holds one.
-    FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile)."""
+    FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). EVEN: every
+    channel of the chunk is below ch_hi, so only the slots are masked and the loads stay wide."""
     ch = ch0 + tl.arange(0, CHUNK)
-    ch_ok = ch < ch_hi
+    ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
     if BITS == 16:
         at = lat_ptr + b * lat_sb + slots[:, None] * lat_ss + ch[None, :]
-        values = tl.load(at, mask=slot_ok[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
+        if EVEN:
+            values = tl.load(at, mask=slot_ok[:, None], other=0.0).to(DTYPE)
+        else:
+            values = tl.load(at, mask=slot_ok[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
     elif FAST:
         values = grouped_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
-                               slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE)
+                               slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE, EVEN)
     else:
         scale_rows = b * sz_sb + (slots // GROUP if CHANNEL else slots) * sz_ss
         values = gathered_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,

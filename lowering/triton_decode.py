@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import math
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -24,15 +25,21 @@ DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Launch geometry: slots per tile, warps, pipeline stages, and waves (programs per multiprocessor the split
-    of the slots aims for)."""
+    """Launch geometry: slots per tile, warps, pipeline stages, waves (programs per multiprocessor the split of
+    the slots aims for), and a cap on registers per thread (None: the compiler's choice), which trades spills
+    for more programs resident per multiprocessor."""
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
     waves: float = 4.0
+    max_registers: Optional[int] = None
 
 
-DEFAULT = DecodeConfig()
+# the fastest of CANDIDATES on an H100 for every swept plan of both shapes at 16K (benchmarks/attention.py --sweep)
+DEFAULT = DecodeConfig(block_s=64, num_warps=4, num_stages=3, waves=4.0)
+CANDIDATES = (DEFAULT, DecodeConfig(block_s=32, num_warps=4, num_stages=3, waves=4.0),
+              DecodeConfig(block_s=32, num_warps=4, num_stages=3, waves=8.0, max_registers=168),
+              DecodeConfig(block_s=64, num_warps=4, num_stages=3, waves=8.0, max_registers=168))
 FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
 _BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)
 
@@ -149,8 +156,7 @@ def decode_attention_with(config: DecodeConfig, *, query, latent_k, k_scale, k_z
                    v_blocks, 128)
     v_range = values["BLOCK_RANK"]
     v_parts = triton.cdiv(v_range, values["CHUNK"])
-    absorb = group == 1  # the query goes into up_k; several query heads share rebuilt keys instead
-    g_pad = 1 if absorb else max(16, _pow2(group))
+    g_pad = max(16, _pow2(group))  # tensor-core rows: the query heads sharing the rebuilt keys, padded
 
     if not isinstance(length, torch.Tensor):
         length = torch.tensor(int(length), device=device)
@@ -194,14 +200,15 @@ def decode_attention_with(config: DecodeConfig, *, query, latent_k, k_scale, k_z
         V_HEADS_PER_BLOCK=num_kv_heads // v_blocks, V_BLOCK_RANK=v_range, V_CHUNK=v["CHUNK"],
         V_BITS=v["BITS"], V_GROUP=v["GROUP"], V_FAST=v["FAST"], V_EXACT=v["EXACT"], V_CHANNEL=v["CHANNEL"],
         V_OUTLIERS=v["OUTLIERS"],
-        HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind, ABSORB=absorb,
+        HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind,
         EXACT_ANGLES=query.dtype == torch.float32, FAST_TRIG=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         IEEE=query.dtype == torch.float32)
     grid = (batch * num_kv_heads, splits, v_parts)
+    registers = {} if config.max_registers is None or interpret else dict(maxnreg=config.max_registers)
     try:
         kernel[grid](*args, **constants, BLOCK_S=config.block_s, num_warps=config.num_warps,
-                     num_stages=config.num_stages)
+                     num_stages=config.num_stages, **registers)
     except OutOfResources:  # a geometry too large for this shape (wide joint chunks): the smallest one
         kernel[grid](*args, **constants, BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps,
                      num_stages=FALLBACK.num_stages)
