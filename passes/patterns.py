@@ -55,7 +55,8 @@ class RmsNorm:
 _CASTS = {"to", "float", "type_as", "half", "bfloat16"}
 
 
-def _uncast(node):
+def uncast(node):
+    """Look through dtype casts (x.to(torch.float32), x.float(), ...)."""
     while is_method(node, _CASTS):
         node = node.args[0]
     return node
@@ -88,22 +89,22 @@ def match_rms_norm(node) -> Optional[RmsNorm]:
     """The RMSNorm forms of transformers' per-head q/k norms: weight * normalized(x.float()).to(dtype) (Qwen3,
     Llama's RMSNorm) and (normalized(x.float()) * (1.0 + weight.float())).type_as(x) (Gemma)."""
     out = node
-    node = _uncast(node)
+    node = uncast(node)
     if not is_function(node, {operator.mul, torch.mul}) or len(node.args) != 2:
         return None
     for normalized, scale in (node.args, node.args[::-1]):
-        found = _rms_normalized(_uncast(normalized)) if isinstance(normalized, Node) else None
+        found = _rms_normalized(uncast(normalized)) if isinstance(normalized, Node) else None
         if found is None:
             continue
-        offset, weight = 0.0, _uncast(scale)
+        offset, weight = 0.0, uncast(scale)
         if is_function(weight, {operator.add, torch.add}) and len(weight.args) == 2:
             constant = [a for a in weight.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-            parameter = [_uncast(a) for a in weight.args if isinstance(a, Node)]
+            parameter = [uncast(a) for a in weight.args if isinstance(a, Node)]
             if len(constant) != 1 or len(parameter) != 1:
                 continue
             offset, weight = float(constant[0]), parameter[0]
         if isinstance(weight, Node) and weight.op in ("placeholder", "get_attr") and len(shape_of(weight) or ()) == 1:
-            return RmsNorm(x=_uncast(found[0]), weight=weight, eps=found[1], offset=offset, out=out)
+            return RmsNorm(x=uncast(found[0]), weight=weight, eps=found[1], offset=offset, out=out)
     return None
 
 
@@ -148,27 +149,61 @@ def _projection_source(node):
     return None
 
 
-def _fused_part(flat):
-    """(source, rows) for one part of a fused projection's output: out[..., a:b] (Phi-3) or out.split(...)[i]
-    (GPT-2); else None."""
-    if not is_function(flat, {operator.getitem}) or not isinstance(flat.args[0], Node):
+def _last_axis_slice(node, source) -> Optional[slice]:
+    """s for source[..., s] or source[:, ..., :, s] (every other axis whole), else None."""
+    if not (is_function(node, {operator.getitem}) and node.args[0] is source):
         return None
-    parent, index = flat.args
-    if is_method(parent, {"split"}) and isinstance(index, int):
+    index = node.args[1]
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return None
+    leading = index[:-1]
+    if leading == (Ellipsis,) or len(index) == len(shape_of(source) or ()) and all(
+            part == slice(None) for part in leading):
+        return index[-1]
+    return None
+
+
+def _is_slice_of(node, source, start, stop, step=None) -> bool:
+    found = _last_axis_slice(node, source)
+    return found is not None and found.start == start and found.stop == stop and (found.step or 1) == (step or 1)
+
+
+def _is_last_axis(dim, node) -> bool:
+    return dim in (-1, len(shape_of(node) or ()) - 1)
+
+
+def _last_axis_part(node):
+    """(source, ((start, stop),)) for node = source[..., start:stop] or source.split(...)[i] along the last axis: a part
+    of a fused projection's output (Phi-3, GPT-2), or of a cos/sin table (GPT-J); else None."""
+    if not is_function(node, {operator.getitem}) or not isinstance(node.args[0], Node):
+        return None
+    parent, index = node.args
+    if (is_method(parent, {"split"}) or is_function(parent, {torch.split})) and isinstance(index, int):
         size = parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("split_size")
         dim = parent.kwargs.get("dim", parent.args[2] if len(parent.args) > 2 else 0)
-        width = (shape_of(parent.args[0]) or (0,))[-1]
-        if dim not in (-1, len(shape_of(parent.args[0]) or ()) - 1):
+        shape = shape_of(parent.args[0])
+        if not shape or not _is_last_axis(dim, parent.args[0]):
             return None
+        width = shape[-1]
         sizes = [size] * (width // size) if isinstance(size, int) else list(size)
         start = sum(sizes[:index])
         return parent.args[0], ((start, start + sizes[index]),)
-    width = (shape_of(parent) or (0,))[-1]
-    if isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice) \
-            and index[1].step in (None, 1):
-        start, stop, _ = index[1].indices(width)
+    columns = _last_axis_slice(node, parent)
+    if columns is not None and columns.step in (None, 1) and shape_of(parent):
+        start, stop, _ = columns.indices(shape_of(parent)[-1])
         return parent, ((start, stop),)
     return None
+
+
+def is_head_transpose(node) -> bool:
+    """x.transpose(1, 2) or x.permute(0, 2, 1, 3): [batch, tokens, heads, head_dim] <-> [batch, heads, tokens,
+    head_dim]."""
+    if is_method(node, {"transpose"}):
+        return tuple(node.args[1:]) in {(1, 2), (2, 1)}
+    if is_method(node, {"permute"}):
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        return tuple(dims) == (0, 2, 1, 3)
+    return False
 
 
 def _chunked_heads(node):
@@ -180,8 +215,7 @@ def _chunked_heads(node):
     parts = chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
     dim = chunk.kwargs.get("dim", chunk.args[2] if len(chunk.args) > 2 else 0)
     transposed = chunk.args[0]
-    if dim not in (-1, 3) or not (is_method(transposed, {"transpose"}) and tuple(transposed.args[1:]) in
-                                  {(1, 2), (2, 1)}) or not is_method(transposed.args[0], RESHAPE_METHODS):
+    if dim not in (-1, 3) or not is_head_transpose(transposed) or not is_method(transposed.args[0], RESHAPE_METHODS):
         return None
     shape = shape_of(transposed)  # [batch, heads, tokens, parts * head_dim]
     if not shape or len(shape) != 4 or shape[-1] % parts:
@@ -192,20 +226,26 @@ def _chunked_heads(node):
     return transposed.args[0].args[0], rows
 
 
-def match_head_projection(node) -> Projection | Failed:
+def match_head_projection(node, transposed_after: Optional[Node] = None) -> Projection | Failed:
+    """The projection whose heads [batch, heads, tokens, head_dim] `node` is. Where the heads are transposed only
+    after RoPE (GPT-J), `node` is the [batch, tokens, heads, head_dim] view RoPE turns and `transposed_after` the
+    transpose behind it."""
     norm = match_rms_norm(node)
     transposed = norm.x if norm else node
-    chunked = _chunked_heads(transposed)
-    if chunked is not None:
-        source = _projection_source(chunked[0])
-        if source is None:
-            return Failed("the fused projection is not a linear with parameter weights")
-        linear, x, weight, bias, conv1d = source
-        return Projection(linear=linear, x=x, weight=weight, bias=bias, heads_out=node, out=transposed, norm=norm,
-                          rows=chunked[1], conv1d=conv1d, out_layout="heads")
-    if not (is_method(transposed, {"transpose"}) and tuple(transposed.args[1:]) in {(1, 2), (2, 1)}):
-        return Failed("not a projection split into heads (linear -> view -> transpose)")
-    split = transposed.args[0]
+    if transposed_after is not None:
+        split, heads_out = transposed, transposed_after
+    else:
+        chunked = _chunked_heads(transposed)
+        if chunked is not None:
+            source = _projection_source(chunked[0])
+            if source is None:
+                return Failed("the fused projection is not a linear with parameter weights")
+            linear, x, weight, bias, conv1d = source
+            return Projection(linear=linear, x=x, weight=weight, bias=bias, heads_out=node, out=transposed,
+                              norm=norm, rows=chunked[1], conv1d=conv1d, out_layout="heads")
+        if not is_head_transpose(transposed):
+            return Failed("not a projection split into heads (linear -> view -> transpose)")
+        split, heads_out = transposed.args[0], node
     if norm is None:
         norm = match_rms_norm(split)
         split = norm.x if norm else split
@@ -214,54 +254,73 @@ def match_head_projection(node) -> Projection | Failed:
     flat, rows = split.args[0], None
     source = _projection_source(flat)
     if source is None:
-        part = _fused_part(flat)
+        part = _last_axis_part(flat)
         if part is None:
             return Failed("the heads come from another operation than a linear projection or a part of a fused one")
         source, rows = _projection_source(part[0]), part[1]
         if source is None:
             return Failed("the fused projection is not a linear with parameter weights")
     linear, x, weight, bias, conv1d = source
-    return Projection(linear=linear, x=x, weight=weight, bias=bias, heads_out=node, out=flat, norm=norm, rows=rows,
-                      conv1d=conv1d)
+    return Projection(linear=linear, x=x, weight=weight, bias=bias, heads_out=heads_out, out=flat, norm=norm,
+                      rows=rows, conv1d=conv1d)
 
 
-def _is_slice_of(node, source, start, stop) -> bool:
-    if not (is_function(node, {operator.getitem}) and node.args[0] is source):
-        return False
-    index = node.args[1]
-    if not isinstance(index, tuple) or len(index) != 2 or index[0] is not Ellipsis:
-        return False
-    sl = index[1]
-    return isinstance(sl, slice) and sl.start == start and sl.stop == stop and sl.step in (None, 1)
-
-
-def is_rotate_half(node, x: Node, head_dim: int) -> bool:
-    """cat((-x[..., d/2:], x[..., :d/2]), dim=-1): the rotate-half RoPE form (not the interleaved one)."""
+def is_rotate_half(node, x: Node) -> bool:
+    """cat((-x[..., d/2:], x[..., :d/2]), dim=-1): rotate-half RoPE's rotation, which turns channels i and i + d/2
+    together (transformers' rotate_half)."""
     if not is_function(node, {torch.cat}):
         return False
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-    if dim not in (-1, 3) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+    if not _is_last_axis(dim, node) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return False
     negated, first_half = parts
-    half = head_dim // 2
+    half = shape_of(x)[-1] // 2
     return (is_function(negated, {operator.neg, torch.neg})
             and _is_slice_of(negated.args[0], x, half, None)
             and _is_slice_of(first_half, x, None, half))
 
 
+def is_rotate_every_two(node, x: Node) -> bool:
+    """stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2): interleaved RoPE's rotation, which turns channels
+    2i and 2i + 1 together (GPT-J's rotate_every_two)."""
+    if not (is_method(node, {"flatten"}) or is_function(node, {torch.flatten})):
+        return False
+    stacked = node.args[0]
+    start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
+    end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1)
+    if not is_function(stacked, {torch.stack}) or start not in (-2, len(shape_of(stacked) or ()) - 2) \
+            or not _is_last_axis(end, stacked):
+        return False
+    parts = stacked.args[0] if stacked.args else stacked.kwargs.get("tensors")
+    dim = stacked.kwargs.get("dim", stacked.args[1] if len(stacked.args) > 1 else 0)
+    if not _is_last_axis(dim, stacked) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return False
+    negated, evens = parts
+    return (is_function(negated, {operator.neg, torch.neg})
+            and _is_slice_of(negated.args[0], x, 1, None, 2)
+            and _is_slice_of(evens, x, None, None, 2))
+
+
+# RoPE's forms: the rotation each applies to x, and whether it turns interleaved channel pairs (2i, 2i + 1)
+ROPE_FORMS = ((is_rotate_half, False), (is_rotate_every_two, True))
+
+
 @dataclass
 class Rope:
-    """out = x * cos + rotate_half(x) * sin over the first `rotary_dim` channels of x; with partial rotary
-    (rotary_dim < head_dim: GPT-NeoX, StableLM, Phi) the rest pass through: out = cat(rotated, x[..., rotary_dim:])."""
+    """out = x * cos + rotate(x) * sin over the first `rotary_dim` channels of x, rotate one of `ROPE_FORMS`:
+    rotate-half (`interleaved` False: channel pairs (i, i + rotary_dim / 2)) or interleaved pairs (2i, 2i + 1)
+    (GPT-J). With partial rotary (rotary_dim < head_dim: GPT-NeoX, StableLM, Phi, GPT-J) the rest pass through:
+    out = cat(rotated, x[..., rotary_dim:])."""
     x: Node
     cos: Node
     sin: Node
     out: Node
     rotary_dim: int
+    interleaved: bool = False
 
 
-def _rotate_half_rope(node) -> Optional[Rope]:
+def _full_rope(node) -> Optional[Rope]:
     if not is_function(node, {operator.add, torch.add}) or len(node.args) != 2:
         return None
     for straight, rotated in (node.args, node.args[::-1]):
@@ -269,49 +328,69 @@ def _rotate_half_rope(node) -> Optional[Rope]:
             continue
         for x, cos in (straight.args, straight.args[::-1]):
             shape = shape_of(x) if isinstance(x, Node) else None
-            if shape is None:
+            if shape is None or not isinstance(cos, Node):
                 continue
             for rot, sin in (rotated.args, rotated.args[::-1]):
-                if is_rotate_half(rot, x, shape[-1]) and isinstance(cos, Node) and isinstance(sin, Node):
-                    return Rope(x=x, cos=cos, sin=sin, out=node, rotary_dim=shape[-1])
+                for is_rotation, interleaved in ROPE_FORMS:
+                    if isinstance(sin, Node) and is_rotation(rot, x):
+                        return Rope(x=x, cos=cos, sin=sin, out=node, rotary_dim=shape[-1], interleaved=interleaved)
     return None
 
 
 def match_rope(node) -> Optional[Rope]:
-    """Rotate-half RoPE over all channels, or over the first ones with the rest concatenated behind (partial)."""
-    rope = _rotate_half_rope(node)
+    """RoPE (any of `ROPE_FORMS`) over all channels, or over the first ones with the rest concatenated behind
+    (partial)."""
+    rope = _full_rope(node)
     if rope is not None or not is_function(node, {torch.cat}):
         return rope
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-    if dim not in (-1, 3) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+    if not _is_last_axis(dim, node) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return None
-    rope, passed = _rotate_half_rope(parts[0]), parts[1]
+    rope, passed = _full_rope(parts[0]), parts[1]
     if rope is None or not is_function(rope.x, {operator.getitem}) or not isinstance(rope.x.args[0], Node):
         return None
     whole, width = rope.x.args[0], rope.rotary_dim
     if _is_slice_of(rope.x, whole, None, width) and _is_slice_of(passed, whole, width, None):
-        return Rope(x=whole, cos=rope.cos, sin=rope.sin, out=node, rotary_dim=width)
+        return Rope(x=whole, cos=rope.cos, sin=rope.sin, out=node, rotary_dim=width, interleaved=rope.interleaved)
     return None
 
 
 @dataclass
 class RopeSource:
-    """Where a RoPE site's cos/sin come from: cos(positions * inv_freq, repeated over both halves) * scale,
-    as transformers' rotary embeddings compute them (default, linear, llama3, yarn... all change only inv_freq
-    and the scale). A LatentCache stores positions and rebuilds cos/sin from them."""
-    positions: Node   # integer [batch|1, tokens]
-    inv_freq: Node    # float [head_dim / 2]
+    """Where a RoPE site's cos/sin come from, at integer `positions` [batch|1, tokens], times `scale`: computed,
+    cos(positions * inv_freq) as transformers' rotary embeddings do (default, linear, llama3, yarn... all change only
+    inv_freq and the scale), or read, the rows of the model's own table at the positions (`table` [max_positions,
+    width] with cos in columns `cos_columns` and sin in `sin_columns`: GPT-J's embed_positions). A LatentCache stores
+    positions and rebuilds cos/sin from them."""
+    positions: Node                  # integer [batch|1, tokens]
+    inv_freq: Optional[Node]         # float [rotary_dim / 2]; None where cos/sin are read from `table`
     scale: float
+    table: Optional[Node] = None     # float [max_positions, width]
+    cos_columns: tuple = ()          # (start, stop) of rotary_dim / 2 columns of the table
+    sin_columns: tuple = ()
 
 
 _PASS_THROUGH = {"float", "to", "unsqueeze", "expand", "contiguous", "type_as"}
 
 
+def _is_broadcast_repeat(node) -> bool:
+    """x.repeat(...) tiling only new or size-1 axes of x: the values of an expand."""
+    if not is_method(node, {"repeat"}) or len(node.args) < 2:
+        return False
+    repeats = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+    shape = shape_of(node.args[0])
+    if shape is None or len(repeats) < len(shape):
+        return False
+    shape = (1,) * (len(repeats) - len(shape)) + tuple(shape)
+    return all(repeat == 1 or size == 1 for repeat, size in zip(repeats, shape))
+
+
 def _strip(node, until=lambda node: False):
-    """Look through dtype casts, expands and None-indexing (unsqueezes), stopping at a node where `until` holds."""
+    """Look through dtype casts, expands (and repeats that only broadcast) and None-indexing (unsqueezes), stopping
+    at a node where `until` holds."""
     while isinstance(node, Node) and not until(node):
-        if is_method(node, _PASS_THROUGH):
+        if is_method(node, _PASS_THROUGH) or _is_broadcast_repeat(node):
             node = node.args[0]
         elif is_function(node, {operator.getitem}) and isinstance(node.args[1], tuple) and all(
                 part is None or part is Ellipsis or part == slice(None) for part in node.args[1]):
@@ -342,36 +421,93 @@ def _is_integer(node) -> bool:
     return dtype is not None and not dtype.is_floating_point and dtype != torch.bool
 
 
-def match_rope_source(cos: Node, sin: Node):
-    """RopeSource of a site's cos/sin operands, or the reason they are not position * inv_freq tables."""
-    tables = []
-    for node, function in ((cos, "cos"), (sin, "sin")):
-        inner, scale = _scaled(_strip(node))
-        emb = _trig_argument(_strip(inner), function)
-        if emb is None:
-            return f"the RoPE {function} table is not {function}(angles) * scale"
-        tables.append((_strip(emb), scale))
-    (emb, scale), (sin_emb, sin_scale) = tables
-    if emb is not sin_emb or scale != sin_scale:
-        return "RoPE cos and sin come from different angles or scales"
-    parts = emb.args[0] if is_function(emb, {torch.cat}) and emb.args else None
-    dim = emb.kwargs.get("dim", emb.args[1] if len(emb.args) > 1 else 0) if parts is not None else None
-    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is parts[1]
-            and dim in (-1, len(shape_of(emb) or ()) - 1)):
-        return "RoPE angles are not cat((freqs, freqs), -1) (interleaved or partial rotary)"
-    freqs = parts[0]
+def _is_positions(node) -> bool:
+    return _is_integer(node) and len(shape_of(node) or ()) == 2
+
+
+def _doubled(node, interleaved: bool):
+    """h for a half-width table h doubled over the channel pairs RoPE turns together: cat((h, h), -1) for rotate-half
+    RoPE, repeat_interleave(h, 2, -1) for interleaved pairs; else None."""
+    node = _strip(node)
+    if interleaved:
+        if not (is_function(node, {torch.repeat_interleave}) or is_method(node, {"repeat_interleave"})):
+            return None
+        args = list(node.args) + [None] * 2
+        repeats, dim = node.kwargs.get("repeats", args[1]), node.kwargs.get("dim", args[2])
+        return node.args[0] if repeats == 2 and dim is not None and _is_last_axis(dim, node) else None
+    parts = node.args[0] if is_function(node, {torch.cat}) and node.args else None
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) if parts is not None else None
+    if isinstance(parts, (list, tuple)) and len(parts) == 2 and parts[0] is parts[1] and _is_last_axis(dim, node):
+        return parts[0]
+    return None
+
+
+def _table_rows(node):
+    """(table, (start, stop), positions) for columns [start, stop) of the rows of a 2-D table at integer positions
+    [batch, tokens]: gather(table.repeat(batch, 1, 1), 1, positions[..., None].repeat(1, 1, width)), split or sliced
+    (GPT-J's embed_positions, sin | cos); else None."""
+    part = _last_axis_part(_strip(node))
+    if part is None or len(part[1]) != 1:
+        return None
+    rows = _strip(part[0])
+    if not is_function(rows, {torch.gather}) or len(rows.args) != 3 or rows.kwargs:
+        return None
+    source, dim, index = rows.args
+    table, positions = _strip(source), _strip(index, _is_positions)
+    if dim not in (1, -2) or len(shape_of(table) or ()) != 2 or not _is_positions(positions):
+        return None
+    return table, part[1][0], positions
+
+
+def _trace_table(node, function: str, interleaved: bool):
+    """One of a site's cos/sin operands [..., rotary_dim], traced to its source: ("angles", freqs, scale) for
+    function(angles) * scale, each frequency's angle doubled over RoPE's channel pairs (`_doubled`); ("table", rows,
+    scale) for `_table_rows` doubled so; else the reason (a string)."""
+    inner, scale = _scaled(_strip(node))
+    half = _doubled(inner, interleaved)
+    if half is not None:  # a value per frequency, then doubled (GPT-J)
+        rows = _table_rows(half)
+        if rows is not None:
+            return "table", rows, scale
+        freqs = _trig_argument(_strip(half), function)
+    else:  # the angles doubled, then cos/sin (transformers' rotary embeddings)
+        angles = _trig_argument(_strip(inner), function)
+        freqs = None if angles is None else _doubled(angles, interleaved)
+    if freqs is None:
+        pairs = "interleaved (repeat_interleave(h, 2, -1))" if interleaved else "rotate-half (cat((h, h), -1))"
+        return (f"the RoPE {function} table is neither {function}(angles) * scale nor rows of a table, doubled over "
+                f"{pairs} channel pairs")
+    return "angles", _strip(freqs), scale
+
+
+def match_rope_source(cos: Node, sin: Node, interleaved: bool = False):
+    """RopeSource of a site's cos/sin operands (each frequency doubled as the `interleaved` or rotate-half form of
+    RoPE pairs channels), or the reason they are neither position * inv_freq tables nor a table's rows."""
+    traced = [_trace_table(node, function, interleaved) for node, function in ((cos, "cos"), (sin, "sin"))]
+    for found in traced:
+        if isinstance(found, str):
+            return found
+    (kind, source, scale), (sin_kind, sin_source, sin_scale) = traced
+    if kind != sin_kind or scale != sin_scale:
+        return "RoPE cos and sin come from different sources or scales"
+    if kind == "table":
+        (table, cos_columns, positions), (sin_table, sin_columns, sin_positions) = source, sin_source
+        if table is not sin_table or positions is not sin_positions:
+            return "RoPE cos and sin are read from different tables or at different positions"
+        return RopeSource(positions=positions, inv_freq=None, scale=scale, table=table, cos_columns=cos_columns,
+                          sin_columns=sin_columns)
+    freqs = source
+    if freqs is not sin_source:
+        return "RoPE cos and sin come from different angles"
     if is_method(freqs, {"transpose"}):  # transformers <= 5.17: (inv_freq[None, :, None] @ positions[:, None]).T
         freqs = freqs.args[0]
     if not (is_function(freqs, {operator.mul, torch.mul, operator.matmul, torch.matmul})
             and len(freqs.args) == 2):
         return "RoPE angles are not positions times inv_freq"
-    def is_positions(node):
-        return _is_integer(node) and len(shape_of(node) or ()) == 2
-
-    first, second = (_strip(arg, is_positions) for arg in freqs.args)
+    first, second = (_strip(arg, _is_positions) for arg in freqs.args)
     positions, inv_freq = (first, second) if _is_integer(first) else (second, first)
     inv_shape = shape_of(inv_freq)
-    if not _is_integer(positions) or len(shape_of(positions) or ()) != 2 or not inv_shape or len(inv_shape) != 1:
+    if not _is_positions(positions) or not inv_shape or len(inv_shape) != 1:
         return "RoPE angles are not integer positions [batch, tokens] times a 1-D inv_freq"
     return RopeSource(positions=positions, inv_freq=inv_freq, scale=scale)
 

@@ -4,9 +4,9 @@ A site is matched one variant axis at a time, each matcher returning its typed m
 reason: attention (SDPA with or without GQA, or eager softmax attention, soft-capped or not), cache (none, a
 stock concat or preallocated cache, or the lrkv latent cache marker), projection (a linear, a Conv1D, or a part
 of a fused q/k/v projection, bias optional), key chain (an optional per-head RMSNorm before or after the head
-transpose, then rotate-half RoPE over all or the first channels, or none) and the value projection. The output
-projection behind SDPA is recorded when there is one. Anything else is left alone and reported with the
-reason.
+transpose, then RoPE, rotate-half or interleaved, over all or the first channels, before or after the head
+transpose, or none) and the value projection. The output projection behind SDPA is recorded when there is one.
+Anything else is left alone and reported with the reason.
 """
 import operator
 import re
@@ -19,9 +19,9 @@ from torch.fx import GraphModule, Node
 
 from lrkv_compile.signature import SiteSignature
 from lrkv_compile.weights import weight_name
-from .patterns import (MATMUL_TARGETS, SDPA_TARGETS, Failed, RopeSource, follow_layout_chain, is_function, is_method,
-                       match_head_projection, match_rope,
-                       match_rope_source, shape_of, unwrap_repeat_kv, unwrap_slot_crop)
+from .patterns import (MATMUL_TARGETS, SDPA_TARGETS, Failed, RopeSource, follow_layout_chain, is_function,
+                       is_head_transpose, is_method, match_head_projection, match_rope, match_rope_source, shape_of,
+                       uncast, unwrap_repeat_kv, unwrap_slot_crop)
 
 CACHE_MARKER = "lrkv.cache_marker"
 
@@ -138,7 +138,7 @@ def _constant_factor(node, targets):
 
 def match_eager_attention(out: Node) -> Attention | Failed:
     """matmul(dropout(softmax(scores + mask).to(dtype)), v) with scores = q @ k.transpose(2, 3) * scale, optionally
-    soft-capped (transformers' eager_attention_forward)."""
+    soft-capped (transformers' eager_attention_forward), q and k possibly cast first (GPT-J scores in float32)."""
     weights, value = out.args[0], out.args[1]
     if is_function(weights, {F.dropout}):
         args = list(weights.args) + [None] * 3
@@ -173,7 +173,8 @@ def match_eager_attention(out: Node) -> Attention | Failed:
     query, keys = product.args
     if not (is_method(keys, {"transpose"}) and tuple(keys.args[1:]) in {(2, 3), (3, 2), (-1, -2), (-2, -1)}):
         return Failed("attention scores are not q @ k^T (keys not transposed on their last two axes)")
-    return Attention(query, keys.args[0], value, mask, scale if scale is not None else 1.0, False, False, softcap)
+    return Attention(uncast(query), uncast(keys.args[0]), value, mask, scale if scale is not None else 1.0, False,
+                     False, softcap)
 
 
 @dataclass
@@ -208,18 +209,24 @@ def match_cache(key: Node, value: Node, is_causal: bool) -> CacheMatch | Failed:
 
 @dataclass
 class KeyChain:
-    """The key chain axis: head projection, optional per-head RMSNorm (in `projection.norm`), optional RoPE."""
+    """The key chain axis: head projection, optional per-head RMSNorm (in `projection.norm`), optional RoPE, which
+    turns [batch, heads, tokens, head_dim] keys or, where the heads are transposed after it (`tokens_first`, GPT-J),
+    [batch, tokens, heads, head_dim] ones."""
     projection: object  # patterns.Projection
     rope: Optional[object]  # patterns.Rope
+    tokens_first: bool = False
 
 
 def match_key_chain(new_k: Node) -> KeyChain | Failed:
-    rope = match_rope(new_k)
-    projection = match_head_projection(rope.x if rope else new_k)
+    rope, transposed_after = match_rope(new_k), None
+    if rope is None and is_head_transpose(new_k):
+        rope = match_rope(new_k.args[0])
+        transposed_after = new_k if rope else None
+    projection = match_head_projection(rope.x if rope else new_k, transposed_after)
     if isinstance(projection, Failed):
-        where = "under rotate-half RoPE" if rope else "(no rotate-half RoPE, full or partial, found on them)"
-        return Failed(f"keys {where}: {projection.reason}; interleaved RoPE and other key layouts are not supported")
-    return KeyChain(projection, rope)
+        where = "under RoPE" if rope else "(no RoPE, rotate-half or interleaved, full or partial, found on them)"
+        return Failed(f"keys {where}: {projection.reason}; other key layouts are not supported")
+    return KeyChain(projection, rope, tokens_first=transposed_after is not None)
 
 
 def match_value_projection(new_v: Node):
@@ -272,10 +279,11 @@ def _match_one(sdpa: Node, name_of: Callable[[Node], Optional[str]]):
         return "K and V have different head layouts"
     rope_source = None
     if rope is not None:
-        cos_shape = shape_of(rope.cos)
-        if cos_shape is None or len(cos_shape) != 4 or cos_shape[1] != 1 or cos_shape[-1] != rope.rotary_dim:
-            return "RoPE tables are not [batch, 1, tokens, rotary_dim]"
-        rope_source = match_rope_source(rope.cos, rope.sin)
+        cos_shape, heads_axis = shape_of(rope.cos), 2 if chain.tokens_first else 1
+        if cos_shape is None or len(cos_shape) != 4 or cos_shape[heads_axis] != 1 or cos_shape[-1] != rope.rotary_dim:
+            layout = "tokens, 1" if chain.tokens_first else "1, tokens"
+            return f"RoPE tables are not [batch, {layout}, rotary_dim]"
+        rope_source = match_rope_source(rope.cos, rope.sin, rope.interleaved)
         if isinstance(rope_source, str):
             if cache.kind == "latent":  # a LatentCache stores positions, not RoPE rows: it needs their source
                 return f"{rope_source}, so a LatentCache cannot rebuild RoPE from stored positions"
