@@ -71,7 +71,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      k_group: int, k_sinks: int, k_axis: str, k_outliers: int, v_bits: int, v_group: int,
                      v_sinks: int, v_axis: str, v_outliers: int, k_norm_weight: Optional[Tensor] = None,
                      k_norm_offset: float = 0.0, k_norm_eps: float = 0.0, softcap: float = 0.0,
-                     new_positions: Optional[Tensor] = None, implementation: str = "auto") -> Tensor:
+                     new_positions: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
+                     rope_sin: Optional[Tensor] = None, implementation: str = "auto") -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract. `implementation`
     (`IMPLEMENTATIONS`) picks the code that computes it."""
     arguments = dict(locals())  # the op's own arguments, by name
@@ -83,12 +84,16 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                 raise NotImplementedError("the decode kernel does not apply a per-head key norm (q/k norm models)")
             if inv_freq is not None and 2 * inv_freq.shape[-1] != query.shape[-1]:
                 raise NotImplementedError("the decode kernel applies RoPE to every channel, not partial rotary")
+            if rope_cos is not None:
+                raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from the model's cos/sin "
+                                          "tables")
             if softcap:
                 raise NotImplementedError("the decode kernel does not soft-cap attention scores")
             if latent_k.shape[1] < positions.shape[1]:
                 raise NotImplementedError("the decode kernel reads a full-length cache, not a sliding-window ring")
             kernel_arguments = {name: value for name, value in arguments.items()
-                                if not name.startswith("k_norm_") and name not in ("softcap", "new_positions")}
+                                if not name.startswith("k_norm_")
+                                and name not in ("softcap", "new_positions", "rope_cos", "rope_sin")}
             return triton_decode.decode_attention(**kernel_arguments)
         except NotImplementedError as why:
             if implementation == "triton":
@@ -103,7 +108,7 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
 def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
       bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
       k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, k_norm_weight=None, k_norm_offset=0.0,
-      k_norm_eps=0.0, softcap=0.0, new_positions=None, implementation="auto"):
+      k_norm_eps=0.0, softcap=0.0, new_positions=None, rope_cos=None, rope_sin=None, implementation="auto"):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])

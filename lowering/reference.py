@@ -139,11 +139,17 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
         positions[:batch, start:start + tokens] = torch.broadcast_to(new_positions, (batch, tokens)).to(positions.dtype)
 
 
-def rope_tables(positions, inv_freq, rope_scale, dtype):
-    """cos and sin [..., rotary_dim] of integer `positions` [...], as transformers' rotary embeddings compute them:
-    in float32, angles position * inv_freq repeated over both halves, times the attention scaling, then cast."""
-    angles = positions.float()[..., None] * inv_freq.float()
-    cos, sin = (angles.cos() * rope_scale).to(dtype), (angles.sin() * rope_scale).to(dtype)
+def rope_tables(positions, inv_freq, rope_scale, dtype, rope_cos=None, rope_sin=None):
+    """cos and sin [..., rotary_dim] of integer `positions` [...] for rotate-half RoPE, as transformers' rotary
+    embeddings compute them: in float32, of the angles position * inv_freq, or read from the model's own tables
+    rope_cos / rope_sin [max_positions, rotary_dim / 2] where given (GPT-J); repeated over both halves, times the
+    attention scaling, then cast."""
+    if rope_cos is None:
+        angles = positions.float()[..., None] * inv_freq.float()
+        cos, sin = angles.cos(), angles.sin()
+    else:
+        cos, sin = rope_cos[positions.long()].float(), rope_sin[positions.long()].float()
+    cos, sin = (cos * rope_scale).to(dtype), (sin * rope_scale).to(dtype)
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
@@ -154,10 +160,12 @@ def rms_norm(x, weight, offset, eps):
     return (normalized * (offset + weight.float())).to(x.dtype)
 
 
-def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads, norm=None):
+def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads, norm=None, rope_cos=None,
+                     rope_sin=None):
     """Keys of the first slots, rebuilt from their (dequantized) latents: RoPE(norm(c_k B_k + b_k)) at each
-    slot's own position, norm the per-head RMSNorm (weight, offset, eps) of q/k-norm models or None. RoPE turns
-    the first 2 * len(inv_freq) channels of each head (all of them, or partial rotary).
+    slot's own position, norm the per-head RMSNorm (weight, offset, eps) of q/k-norm models or None. Rotate-half
+    RoPE (`rope_tables`: from inv_freq, or the tables rope_cos / rope_sin) turns the first rotary_dim channels of
+    each head (all of them, or partial rotary); no RoPE where inv_freq and rope_cos are None.
 
     latent_k: [batch, slots, rank_k], positions: [batch, slots] -> [batch, kv_heads, slots, head_dim]
     """
@@ -169,8 +177,8 @@ def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, nu
     if norm is not None:
         keys = rms_norm(keys, *norm)
     keys = keys.transpose(1, 2)
-    if inv_freq is not None:
-        cos, sin = rope_tables(positions[:, None], inv_freq, rope_scale, keys.dtype)
+    if inv_freq is not None or rope_cos is not None:
+        cos, sin = rope_tables(positions[:, None], inv_freq, rope_scale, keys.dtype, rope_cos, rope_sin)
         turned, passed = keys[..., :cos.shape[-1]], keys[..., cos.shape[-1]:]
         keys = torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
     return keys
@@ -208,7 +216,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
                      v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0, softcap=0.0,
-                     new_positions=None):
+                     new_positions=None, rope_cos=None, rope_sin=None):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -222,9 +230,11 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     which it also holds exact); this step's tokens attend to each other with their exact latents, as
     transformers' QuantizedCache and KIVI do with their unquantized residual: quantization costs only what is
     stored. Keys get the model's per-head key norm (k_norm_weight, k_norm_offset, k_norm_eps: `rms_norm`; no
-    norm where k_norm_weight is None), then RoPE at their stored positions (inv_freq [rotary_dim / 2] and
-    rope_scale as the model's rotary embedding; inv_freq None: no RoPE). softcap > 0 caps the scaled scores to
-    softcap * tanh(scores / softcap) before the mask, as Gemma 2 does.
+    norm where k_norm_weight is None), then rotate-half RoPE at their stored positions (inv_freq [rotary_dim / 2] and
+    rope_scale as the model's rotary embedding, or cos/sin read from the model's tables rope_cos / rope_sin
+    [max_positions, rotary_dim / 2]; all None: no RoPE; the rewrite puts the channels of interleaved-RoPE models in
+    rotate-half order). softcap > 0 caps the scaled scores to softcap * tanh(scores / softcap) before the mask, as
+    Gemma 2 does.
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
     """
@@ -245,7 +255,8 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                                                v_outliers, new_v, slots)
         columns = torch.arange(slots, device=query.device)
     keys, scores = None, None
-    if inv_freq is None and k_norm_weight is None:  # nothing between the projection and q k^T: keys stay latent
+    rope = inv_freq is not None or rope_cos is not None
+    if not rope and k_norm_weight is None:  # nothing between the projection and q k^T: keys stay latent
         scores = latent_scores(query, latents_k.to(query.dtype), up_k, bias_k, num_kv_heads)
     else:
         norm = None if k_norm_weight is None else (k_norm_weight, k_norm_offset, k_norm_eps)
@@ -253,7 +264,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
         if new_positions is not None:  # a ring's step, before its write: the cache holds the earlier positions only
             key_positions[:, -tokens:] = new_positions.to(key_positions.dtype)
         keys = reconstruct_keys(latents_k.to(query.dtype), key_positions, inv_freq, rope_scale, up_k, bias_k,
-                                num_kv_heads, norm)
+                                num_kv_heads, norm, rope_cos, rope_sin)
     # rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = latent_values.to(query.dtype).float()
     rank_v, slots = latent_values.shape[-1], latent_values.shape[1]
