@@ -6,11 +6,17 @@ from lrkv_compile.passes.rewrite import choose_value_path
 from .fit import check_parameters, check_sites, trace_sites, warn_left_full
 
 
+def _rope(site) -> str:
+    if site.rope is None:
+        return "no RoPE"
+    rope = "interleaved RoPE" if site.rope.interleaved else "RoPE"
+    if site.rope.rotary_dim == site.head_dim:
+        return rope
+    return f"partial {rope} ({site.rope.rotary_dim} of {site.head_dim})"
+
+
 def _key_chain(site) -> str:
-    parts = (["q/k norm"] if site.key.norm is not None else []) + (
-        ["no RoPE"] if site.rope is None else ["RoPE" if site.rope.rotary_dim == site.head_dim
-                                               else f"partial RoPE ({site.rope.rotary_dim} of {site.head_dim})"])
-    return ", ".join(parts)
+    return ", ".join((["q/k norm"] if site.key.norm is not None else []) + [_rope(site)])
 
 
 def explain(model, plan=None, show=True) -> list[dict]:

@@ -4,7 +4,8 @@ Two forms, one set of numbers:
 - factored (no cache, or a stock concat cache): k = (x down_k) up_k + b_k, likewise v; the cache keeps
   full keys/values, so memory is not reduced but the model is the plan's low-rank model.
 - latent (LatentCache): latents x down are written to the cache, attention rebuilds keys from latents
-  (RoPE at each slot's stored position) and applies up_v after the reduction over slots, or absorbs it into
+  (rotate-half RoPE at each slot's stored position; interleaved-RoPE sites have their query and key channels
+  permuted into rotate-half order) and applies up_v after the reduction over slots, or absorbs it into
   the output projection (Palu eq. 5: p (C_v B_v) W_o = (p C_v)(B_v W_o)), whichever costs fewer FLOPs.
 The factored form fake-quantizes every latent, the current step's included: a stock cache has no slots, so
 the sink and window tokens a LatentCache keeps exact are quantized there too (the pessimistic side of the
@@ -23,9 +24,10 @@ from .patterns import LINEAR_TARGETS, MATMUL_TARGETS, is_function, is_method, sh
 
 PURE_FUNCTIONS = LINEAR_TARGETS | MATMUL_TARGETS | {
     operator.add, operator.mul, operator.neg, operator.getitem, operator.truediv, torch.cat, torch.add, torch.mul,
-    torch.neg, torch.tanh, torch.softmax, torch.nn.functional.softmax, torch.nn.functional.dropout}
+    torch.neg, torch.tanh, torch.softmax, torch.nn.functional.softmax, torch.nn.functional.dropout, torch.stack,
+    torch.flatten, torch.repeat_interleave, torch.gather, torch.split}
 PURE_METHODS = {"view", "reshape", "transpose", "contiguous", "unsqueeze", "flatten", "permute", "expand", "size", "to",
-                "type_as", "float", "softmax", "tanh"}
+                "type_as", "float", "softmax", "tanh", "repeat", "repeat_interleave", "split"}
 
 
 @dataclass
@@ -43,6 +45,14 @@ def value_path_cost(num_heads: int, head_dim: int, hidden: int, rank_v: int) -> 
     """Multiply-adds per token of the two value paths after the reduction over slots."""
     return {"up after reduction": num_heads * rank_v * head_dim + num_heads * head_dim * hidden,
             "absorbed into output projection": num_heads * rank_v * hidden}
+
+
+def rotate_half_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A head's channels in the order [0, 2, ..., rotary_dim - 2, 1, 3, ..., rotary_dim - 1, rotary_dim, ...,
+    head_dim - 1]: it moves the pair (2i, 2i + 1) that interleaved RoPE turns by angle i to (i, i + rotary_dim / 2),
+    which rotate-half RoPE turns by the same angle, so RoPE_interleaved(x)[order] = RoPE_rotate_half(x[order])."""
+    return torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                      torch.arange(rotary_dim, head_dim)))
 
 
 def choose_value_path(num_heads, head_dim, hidden, rank_v, policy="auto") -> str:
@@ -65,9 +75,10 @@ class _Rewriter:
             return getattr(self.gm, node.target)
         return self.values[node]
 
-    def constant(self, name: str, tensor: torch.Tensor, like: Node) -> Node:
+    def constant(self, name: str, tensor: torch.Tensor, like: Node, dtype=None) -> Node:
+        """`tensor` as a buffer of the graph, on `like`'s device, in `dtype` (default: `like`'s)."""
         reference = like.meta.get("example_value")
-        tensor = tensor.to(dtype=reference.dtype, device=reference.device).contiguous()
+        tensor = tensor.to(dtype=dtype or reference.dtype, device=reference.device).contiguous()
         self.gm.register_buffer(name, tensor)
         return self.graph.get_attr(name)
 
@@ -96,6 +107,40 @@ class _Rewriter:
                 rebuilt = self.graph.call_method("unflatten", (rebuilt, -1, (heads, head_dim)))
                 rebuilt = self.graph.call_method("transpose", (rebuilt, 1, 2))
         projection.out.replace_all_uses_with(rebuilt)
+
+    def key_side(self, site, planned, name) -> dict:
+        """latent_attention's query and key-side arguments (up_k, bias_k, the key norm's weight). Where RoPE turns
+        interleaved channel pairs (GPT-J), each head's channels of the query and of the keys (up_k's columns, the
+        bias, the norm weight) are put in `rotate_half_order`, and the op's rotate-half RoPE is the model's:
+        q k^T = q[order] k[order]^T, RoPE_interleaved(x)[order] = RoPE_rotate_half(x[order]), and the key norm
+        (an RMS over the head's channels) commutes with the permutation."""
+        query, up_k, bias_k = site.query, planned.up_k, self.bias(site.key, f"{name}_bias_k")
+        norm_weight = site.key.norm.weight if site.key.norm else None
+        if site.rope is not None and site.rope.interleaved:
+            order = rotate_half_order(site.head_dim, site.rope.rotary_dim)
+            head_order = self.constant(f"{name}_head_order", order, site.query, torch.long)
+            query = self.graph.call_function(torch.index_select, (query, -1, head_order))
+            key_order = (order + site.head_dim * torch.arange(site.num_kv_heads)[:, None]).flatten()
+            up_k = up_k[:, key_order]
+            if bias_k is not None:
+                bias_order = self.constant(f"{name}_key_order", key_order, site.query, torch.long)
+                bias_k = self.graph.call_function(torch.index_select, (bias_k, 0, bias_order))
+            if norm_weight is not None:
+                norm_weight = self.graph.call_function(torch.index_select, (norm_weight, 0, head_order))
+        return {"query": query, "up_k": self.constant(f"{name}_up_k", up_k, site.key.weight), "bias_k": bias_k,
+                "k_norm_weight": norm_weight}
+
+    def rope(self, source) -> dict:
+        """latent_attention's RoPE arguments from a site's RopeSource (None: no RoPE): inv_freq and the scale, or the
+        columns of the model's table that hold cos and sin."""
+        if source is None:
+            return {"inv_freq": None, "rope_scale": 1.0}
+        arguments = {"inv_freq": source.inv_freq, "rope_scale": source.scale}
+        if source.table is not None:
+            for part, (start, stop) in (("cos", source.cos_columns), ("sin", source.sin_columns)):
+                arguments[f"rope_{part}"] = self.graph.call_function(
+                    operator.getitem, (source.table, (slice(None), slice(start, stop))))
+        return arguments
 
     def latent(self, site, planned, value_policy):
         marker = site.cache_nodes[0]
@@ -141,13 +186,10 @@ class _Rewriter:
             path = "up after reduction"
         with self.graph.inserting_before(site.sdpa):
             attention = self.graph.call_function(torch.ops.lrkv.latent_attention.default, kwargs={
-                **state, **new, "query": site.query, "up_k": self.constant(f"{name}_up_k", planned.up_k, weight),
-                "bias_k": self.bias(site.key, f"{name}_bias_k"), "k_norm_weight": site.key.norm.weight if site.key.norm else None,
+                **state, **new, **self.key_side(site, planned, name), **self.rope(site.rope_source),
                 "k_norm_offset": site.key.norm.offset if site.key.norm else 0.0,
                 "k_norm_eps": site.key.norm.eps if site.key.norm else 0.0, "up_v": None if absorb else self.constant(f"{name}_up_v", planned.up_v, weight),
                 "bias_v": None if absorb else self.bias(site.value, f"{name}_bias_v"), "attn_mask": site.attn_mask,
-                "inv_freq": site.rope_source.inv_freq if site.rope_source else None,
-                "rope_scale": site.rope_source.scale if site.rope_source else 1.0,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
                 "softcap": site.softcap, "new_positions": write["new_positions"] if ring else None,
                 "num_kv_heads": site.num_kv_heads})
