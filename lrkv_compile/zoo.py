@@ -45,6 +45,10 @@ def _gpt2(layers, hidden, heads, kv_heads, head_dim):
     return dict(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=2 * hidden)
 
 
+def _gptj(layers, hidden, heads, kv_heads, head_dim):
+    return dict(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=2 * hidden, rotary_dim=head_dim // 2)
+
+
 FAMILIES = {family.name: family for family in (
     Family("llama", "LlamaConfig", _llama_like, "K/V factored, latent cache", {"attention_bias": True}),
     Family("mistral", "MistralConfig", _llama_like, "K/V factored, latent cache; sliding-window layers in a latent ring of window size",
@@ -72,6 +76,9 @@ FAMILIES = {family.name: family for family in (
            kv_heads=False, head_dim=False, bias_names=("query_key_value.bias",)),
     Family("gpt2", "GPT2Config", _gpt2, "fused Conv1D qkv projection: its K and V columns factored, latent cache "
            "(no RoPE: scores in latent space)", kv_heads=False, head_dim=False, bias_names=("c_attn.bias",)),
+    Family("gptj", "GPTJConfig", _gptj, "K/V factored, latent cache; interleaved partial RoPE, read from its "
+           "sin/cos table, on the rebuilt keys (channels permuted into rotate-half order)", kv_heads=False,
+           head_dim=False, attention="eager"),
     Family("opt", "OPTConfig",
            lambda layers, hidden, heads, kv_heads, head_dim: dict(
                num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=2 * hidden,

@@ -122,19 +122,27 @@ def test_sites_without_rope_score_in_latent_space(monkeypatch):
     torch.testing.assert_close(step_logits, expected_logits, **TOLERANCE[torch.float32])
 
 
-def test_gpt_j_is_reported_and_left_untouched():
-    """GPT-J rotates interleaved channel pairs with sin/cos read from a table, in [batch, tokens, heads] layout:
-    no family of the matcher's; each site is reported with the reason and the model is not planned."""
-    from transformers import GPTJConfig, GPTJForCausalLM
-    config = GPTJConfig(vocab_size=zoo.VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2)
-    config._attn_implementation = "eager"  # transformers' only one for GPT-J
-    model = GPTJForCausalLM(config).eval()
-    rows = lrkv.explain(model, show=False)
-    assert len(rows) == 2 and all(row["status"].startswith("unmatched") and "interleaved RoPE" in row["status"]
-                                  for row in rows)
-    with pytest.raises(lrkv.PlanError, match="no attention site of this model matched"):
-        lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+def test_gpt_j_interleaved_rope_from_its_table_is_rewritten_partial_or_full():
+    """GPT-J rotates interleaved channel pairs (2i, 2i + 1) with sin/cos read by position from a table, on [batch,
+    tokens, heads, head_dim] keys: matched over its first channels (the zoo's family) or all of them, sin/cos read
+    from the table at a LatentCache's stored positions, and it generates as the original model. The Triton decode
+    kernel computes RoPE from inv_freq, so kernels='triton' says why it does not apply."""
+    partial = zoo.build("gptj", layers=1)
+    assert [row["key chain"] for row in lrkv.explain(partial, show=False)] == ["partial interleaved RoPE (8 of 16)"]
+    model = zoo.build("gptj", layers=2, rotary_dim=16)
+    plan = lrkv.RankPlan.uniform(model, keep=1.0, progress=False)
+    rows = lrkv.explain(model, plan, show=False)
+    assert [(row["status"], row["key chain"]) for row in rows] == [("matched", "interleaved RoPE")] * 2
+    ids, mask = left_padded_prompt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", lrkv.LrkvWarning)
+        sequences, step_logits = greedy(lrkv.compile(model, plan).generate, ids, mask)
+        cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=8)
+    stock_sequences, stock_logits = greedy(model.generate, ids, mask)
+    assert torch.equal(sequences, stock_sequences)
+    torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
+    with pytest.raises(lrkv.KernelUnavailableError, match="not from the model's cos/sin tables"), torch.no_grad():
+        lrkv.compile(model, plan, kernels="triton")(input_ids=ids, past_key_values=cache, use_cache=True)
 
 
 def test_the_readme_lists_every_family_with_what_is_rewritten():

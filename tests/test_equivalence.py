@@ -66,6 +66,28 @@ def test_latent_cache_decode_equals_full_forward(spec, keep, batch, prompt, step
     assert int(cache.get_seq_length()) == prompt + steps
 
 
+
+@SETTINGS
+@given(pairs=st.integers(1, 8), passed=st.sampled_from([0, 2, 8]), tokens=st.integers(1, 6), seed=st.integers(0, 99))
+def test_interleaved_rope_is_rotate_half_rope_in_rotate_half_order(pairs, passed, tokens, seed):
+    """rewrite.rotate_half_order: RoPE_interleaved(x)[order] = RoPE_rotate_half(x[order]), GPT-J's RoPE (its own
+    code and sin/cos table) against the reference op's (rotate-half, cos/sin read from that table)."""
+    from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb, create_sinusoidal_positions
+    from lrkv_compile.lowering import reference
+    from lrkv_compile.passes.rewrite import rotate_half_order
+    generator = torch.Generator().manual_seed(seed)
+    rotary_dim, head_dim = 2 * pairs, 2 * pairs + passed
+    keys = torch.randn(2, tokens, 3, head_dim, generator=generator)  # [batch, tokens, heads, head_dim]
+    table = create_sinusoidal_positions(64, rotary_dim)  # [positions, sin | cos]
+    positions = torch.randint(0, 64, (2, tokens), generator=generator)
+    sin, cos = table[positions].split(pairs, dim=-1)
+    interleaved = torch.cat((apply_rotary_pos_emb(keys[..., :rotary_dim], sin, cos), keys[..., rotary_dim:]), -1)
+    order = rotate_half_order(head_dim, rotary_dim)
+    cos, sin = reference.rope_tables(positions, None, 1.0, keys.dtype, table[:, pairs:], table[:, :pairs])
+    turned, kept = keys[..., order][..., :rotary_dim], keys[..., order][..., rotary_dim:]
+    rotate_half = turned * cos[:, :, None] + reference.rotate_half(turned) * sin[:, :, None]
+    torch.testing.assert_close(torch.cat((rotate_half, kept), -1), interleaved[..., order], **TOLERANCE[torch.float32])
+
 def test_stock_cache_is_correct_and_warns():
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=1))

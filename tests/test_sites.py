@@ -84,3 +84,22 @@ def test_a_model_with_an_unknown_layer_in_the_middle_runs_it_stock_beside_latent
     with torch.no_grad():
         expected = lrkv.low_rank_reference(model, plan)(out.sequences).logits[:, ids.shape[1] - 1:-1]
     torch.testing.assert_close(torch.stack(out.logits, 1), expected, **TOLERANCE[torch.float32])
+
+
+def test_gpt_j_keys_are_matched_with_interleaved_rope_read_from_its_table():
+    """GPT-J: RoPE on [batch, tokens, heads, head_dim] keys, turned after it; sin | cos columns of one table gathered
+    at the positions, each doubled over interleaved pairs; scores in float32 divided by sqrt(head_dim)."""
+    from lrkv_compile import zoo
+    model = zoo.build("gptj", layers=1)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=8)
+    gm, _, _, name_of = capture(model, torch.arange(6)[None], past_key_values=cache)
+    sites, unmatched = find_sites(gm, name_of)
+    assert not unmatched and len(sites) == 1
+    site = sites[0]
+    assert site.cache == "latent" and site.k_weight == "transformer.h.0.attn.k_proj.weight"
+    assert site.rope.interleaved and site.rope.rotary_dim == 8 and site.head_dim == 16
+    assert site.rope_source.inv_freq is None
+    assert name_of(site.rope_source.table) == "transformer.h.0.attn.embed_positions"
+    assert (site.rope_source.sin_columns, site.rope_source.cos_columns) == ((0, 4), (4, 8))
+    assert site.scale == 0.25 and site.num_heads == site.num_kv_heads == 4
