@@ -65,9 +65,11 @@ class CompiledModel:
     __call__ = forward
 
     def generate(self, input_ids, past_key_values=None, **kwargs):
-        """`model.generate` through this compiled forward and a LatentCache: the one passed, or a new one
-        sized for this call (prompt + max_new_tokens, or max_length, rounded up to a multiple of 256 slots;
-        rows x num_beams x num_return_sequences), kept as `self.cache`."""
+        """`model.generate` through this compiled forward and a LatentCache: the one passed (as `past_key_values`
+        or, transformers' newer name, `cache`), or a new one sized for this call (prompt + max_new_tokens, or
+        max_length, rounded up to a multiple of 256 slots; rows x num_beams x num_return_sequences), kept as
+        `self.cache`."""
+        past_key_values = kwargs.pop("cache", past_key_values)
         if past_key_values is None:
             config = kwargs.get("generation_config") or self.model.generation_config
             setting = lambda name: kwargs.get(name, getattr(config, name, None))  # noqa: E731
@@ -92,7 +94,7 @@ class CompiledModel:
         forward.__signature__ = inspect.signature(self.model.forward)
         self.model.forward = forward  # generate() calls model.forward; set only for this call
         try:
-            return self.model.generate(input_ids, past_key_values=past_key_values, **kwargs)
+            return self.model.generate(input_ids, **{cache_keyword(self.model): past_key_values}, **kwargs)
         finally:
             if had_forward:
                 self.model.forward = previous
@@ -108,3 +110,9 @@ def compile(model, plan, value_path: str = "auto", kernels: str = "auto", induct
                                        "inductor": inductor})
     check(model, plan)
     return CompiledModel(model, plan, value_path, kernels, inductor)
+
+
+def cache_keyword(model) -> str:
+    """The name the model's forward and generate() take the cache by: `cache` from transformers 5.24 (which
+    deprecates `past_key_values`), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

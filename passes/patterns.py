@@ -444,17 +444,20 @@ def _doubled(node, interleaved: bool):
 
 def _table_rows(node):
     """(table, (start, stop), positions) for columns [start, stop) of the rows of a 2-D table at integer positions
-    [batch, tokens]: gather(table.repeat(batch, 1, 1), 1, positions[..., None].repeat(1, 1, width)), split or sliced
-    (GPT-J's embed_positions, sin | cos); else None."""
+    [batch, tokens]: table[positions] or gather(table.repeat(batch, 1, 1), 1, positions[..., None].repeat(1, 1,
+    width)), split or sliced (GPT-J's embed_positions, sin | cos); else None."""
     part = _last_axis_part(_strip(node))
     if part is None or len(part[1]) != 1:
         return None
     rows = _strip(part[0])
-    if not is_function(rows, {torch.gather}) or len(rows.args) != 3 or rows.kwargs:
+    if is_function(rows, {operator.getitem}) and len(rows.args) == 2 and isinstance(rows.args[1], Node):
+        source, index = rows.args  # table[positions] (transformers >= 5.24)
+    elif is_function(rows, {torch.gather}) and len(rows.args) == 3 and not rows.kwargs and rows.args[1] in (1, -2):
+        source, _, index = rows.args
+    else:
         return None
-    source, dim, index = rows.args
     table, positions = _strip(source), _strip(index, _is_positions)
-    if dim not in (1, -2) or len(shape_of(table) or ()) != 2 or not _is_positions(positions):
+    if len(shape_of(table) or ()) != 2 or not _is_positions(positions):
         return None
     return table, part[1][0], positions
 

@@ -64,17 +64,30 @@ class Unmatched:
     reason: str
 
 
+_SOURCE_PART = re.compile(r"\._(modules|parameters|buffers)\['([^']*)'\]")
 _PLACEHOLDER_PART = re.compile(r"_(modules|parameters|buffers)_")
+_PLACEHOLDER_ROOT = re.compile(r"l_(?:self|args_\d+)(_(?:modules|parameters|buffers)_.*)_")
 
 
 def parameter_name(node: Node) -> Optional[str]:
-    """Dynamo names a parameter placeholder after its access path, e.g.
-    l_self_modules_model_modules_layers_modules_0_modules_self_attn_modules_k_proj_parameters_weight_
-    -> model.layers.0.self_attn.k_proj.weight."""
-    name = node.name
-    if node.op != "placeholder" or not name.startswith("l_self_") or not name.endswith("_"):
+    """The model's name of the parameter or buffer a placeholder holds, e.g. model.layers.0.self_attn.k_proj.weight,
+    read from Dynamo's source of it (L['self']._modules['model']...._parameters['weight'], where the root is
+    L['self'] or, when the forward is wrapped by a decorator, L['args'][0]), else from the placeholder's name
+    (l_self_modules_model_..._parameters_weight_, or l_args_0_modules_...)."""
+    if node.op != "placeholder":
         return None
-    parts = _PLACEHOLDER_PART.split("_" + name[len("l_self_"):-1])
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    text = getattr(source, "name", None)
+    text = text() if callable(text) else text
+    if isinstance(text, str):
+        parts = _SOURCE_PART.findall(text)
+        if parts and parts[-1][0] in ("parameters", "buffers"):
+            return ".".join(name for _, name in parts)
+        return None
+    root = _PLACEHOLDER_ROOT.fullmatch(node.name)
+    if root is None:
+        return None
+    parts = _PLACEHOLDER_PART.split(root.group(1))
     # parts = ['', 'modules', 'model', 'modules', 'layers', ..., 'parameters', 'weight']
     if len(parts) < 3 or parts[0] != "" or parts[-2] not in ("parameters", "buffers"):
         return None
