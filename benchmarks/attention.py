@@ -24,7 +24,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from lrkv_compile.lowering import reference
 from lrkv_compile.lowering.quantize import exact_dtype, packed_width
-from lrkv_compile.lowering.triton_decode import CANDIDATES, DEFAULT, decode_attention_with
+from lrkv_compile.lowering.triton_decode import CANDIDATES, decode_attention_with, default_config
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
 SETTINGS = [(16, 4096), (16, 16384), (4, 65536)]
@@ -185,7 +185,7 @@ def main():
                 if plan["plan"] == "head keep 0.25":
                     chosen[(name, "head keep 0.5")] = results[0][1]
                 print(f"sweep {name} {plan['plan']}: " + ", ".join(
-                    f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/x{c.waves:g}/{c.max_registers}r"
+                    f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/{c.max_registers}r"
                     for ms, c in results[:6]))
                 sweeps.append(dict(shape=name, plan=plan["plan"], results=[
                     dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))
@@ -207,7 +207,8 @@ def main():
                     skipped.append(f"{where}: needs about {full_bytes * 3 / 2**30:.0f} GiB, {free / 2**30:.0f} free")
                     continue
                 kwargs, read = build(shape, plan, batch, context, device)
-                config = chosen.get((name, plan["plan"]), DEFAULT)
+                quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
+                config = chosen.get((name, plan["plan"])) or default_config(plan["scheme"] == "head", quantized)
                 lrkv = time_ms(lambda: decode_attention_with(config, **kwargs))
                 error = None
                 if batch * context <= 16 * 4096:  # checked against the reference op where it fits
@@ -216,7 +217,6 @@ def main():
                     error = float((actual - expected).norm() / expected.norm())
                     del expected, actual
                 ratio = full_bytes / read
-                quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
                 factor_target = 0.8 if quantized else 0.85
                 rows.append(dict(
                     shape=name, batch=batch, context=context, plan=plan["plan"], scheme=plan["scheme"],

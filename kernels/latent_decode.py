@@ -3,23 +3,28 @@ launch geometries, is `lowering/triton_decode.py`; the oracle is `lowering/refer
 
 One program per (batch row, KV head, split of the slots, chunk of value channels). Per tile of BLOCK_S slots it
 reads the key latents of the KV head's own block of channels (all channels for a dense `up_k`) as the reference
-reads them (`latent_tiles.py`: unpacked, dequantized, exact sink/window copies where held), rebuilds the keys on
-tensor cores with the head's block of `up_k`, turns them to their positions, scores every query head of the KV
-head on tensor cores (G_PAD rows), and keeps an online softmax and p·C_v in latent space. This step's token comes
-from its exact latents last. Partial (max, sum, context) per split go to small buffers [batch*kv_heads, splits,
-group, channels]; `combine_splits_kernel` reduces them.
+reads them (`latent_tiles.py`: 16-bit, or codes unpacked and dequantized), rebuilds the keys on tensor cores with
+the head's block of `up_k` (accumulated and turned in float16 for float16 models: KEY_DTYPE), turns them to their
+positions and scores them against every query head of the KV head at once, transposed: scores [slots, G_PAD] =
+keys @ R(-p0)q, so the keys go from one product's accumulator into the next one's operand in registers. Online
+softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in latent space on tensor cores. The
+tiles that hold exact sink or window copies run after the others in a loop of their own, so the main loop carries
+no branch for them. This step's token comes from its exact latents last. Partial (max, sum, context) per split go
+to small buffers [batch*kv_heads, splits, group, channels]; `combine_splits_kernel` reduces them.
 
 RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for
 δ < BLOCK_S is a table made once per program, the queries turn by R(-p0) once per tile, so no slot pays for a
-sine (a tile whose positions are not consecutive, e.g. at left padding, computes its angles per slot); each
-tile's positions are loaded one tile ahead. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32
-rounding of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models correct that to first
-order (EXACT_ANGLES), 16-bit ones are far coarser than it.
+sine (the keys of a tile whose positions are not consecutive, e.g. at left padding, turn on by the rest of their
+angle per slot); each tile's positions are loaded one tile ahead. fl(p0 f) + fl(δ f) differs from the reference's
+fl(p f) by float32 rounding of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models correct
+that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 """
 import triton
 import triton.language as tl
 
-from .latent_tiles import latent_tile
+from .latent_tiles import latent_tile, packed_order
+
+LOG2E = tl.constexpr(1.4426950408889634)  # scores go base 2: the launcher's qk_scale holds it, additive masks here
 
 
 @triton.jit
@@ -31,22 +36,33 @@ def _reduce_angle(angle):
 
 @triton.jit
 def _mm(a, b, acc, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+    """a @ b + acc on tensor cores, accumulated in acc's dtype."""
     if IEEE:
-        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision="ieee")
-    return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision="ieee", out_dtype=acc.dtype)
+    return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, out_dtype=acc.dtype)
 
 
 @triton.jit
-def _trig(angle, FAST_TRIG: tl.constexpr):
+def _trig(angle, FAST_MATH: tl.constexpr):
     """cos and sin of angles already reduced to [-π, π]: the multi-function unit's approximations on the GPU
     (absolute error ~1e-6 there), numpy's in the interpreter."""
-    if FAST_TRIG:
+    if FAST_MATH:
         cos = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
                                         pack=1)
         sin = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True,
                                         pack=1)
         return cos, sin
     return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _exp2(x, FAST_MATH: tl.constexpr):
+    """2^x: the multi-function unit's approximation on the GPU, flushing results below 2^-126 to 0 (one
+    instruction: without .ftz the compiler scales around it), numpy's in the interpreter."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.math.exp2(x)
 
 
 @triton.jit
@@ -81,7 +97,7 @@ def _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND: tl.con
 @triton.jit
 def _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb, inv_freq, b, h, last, k_lo,
                  HEAD_DIM: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr, FAST_TRIG: tl.constexpr):
+                 HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr, FAST_MATH: tl.constexpr):
     """This step's key halves [HALF] (fp32), from its exact latent: RoPE(c U + b) at its own position."""
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
@@ -99,20 +115,94 @@ def _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, po
         key1 += tl.load(bias_k_ptr + col).to(tl.float32)
         key2 += tl.load(bias_k_ptr + col + HALF).to(tl.float32)
     if HAS_ROPE:
-        cos, sin = _trig(_reduce_angle(tl.load(pos_ptr + b * pos_sb + last).to(tl.float32) * inv_freq), FAST_TRIG)
+        cos, sin = _trig(_reduce_angle(tl.load(pos_ptr + b * pos_sb + last).to(tl.float32) * inv_freq), FAST_MATH)
         key1, key2 = key1 * cos - key2 * sin, key2 * cos + key1 * sin
     return key1, key2
 
 
 @triton.jit
-def _softmax_step(m_i, l_i, scores):
-    """Online softmax over one more tile: scores [G_PAD, BLOCK_S] against [G_PAD] state. Returns the new max and
-    sum, the old state's factor and p."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+def _softmax_step(m_i, sums, scores, FAST_MATH: tl.constexpr):
+    """Online softmax (base 2) over one more tile: scores [BLOCK_S, G_PAD] against the max [G_PAD] and the sums
+    per slot of the tile [BLOCK_S, G_PAD] (added over the slots once, at the end). Returns the new max and sums,
+    the old state's factor and p."""
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep every weight 0
-    alpha = tl.exp(m_i - m_use)
-    p = tl.exp(scores - m_use[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+    alpha = _exp2(m_i - m_use, FAST_MATH)
+    p = _exp2(scores - m_use[None, :], FAST_MATH)
+    return m_new, sums * alpha[None, :] + p, alpha, p
+
+
+@triton.jit
+def _attend_tile(m_i, sums, acc, t0, pos, start, cached_hi, length, b, q1, q2, q1r, q2r, cos_delta, sin_delta,
+                 inv_freq, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
+                 k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col,
+                 bias1, bias2,
+                 v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
+                 v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi,
+                 HALF: tl.constexpr, G_PAD: tl.constexpr,
+                 K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+                 K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
+                 K_PACKED: tl.constexpr,
+                 V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                 V_FAST: tl.constexpr, V_EXACT: tl.constexpr, V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
+                 V_PACKED: tl.constexpr,
+                 HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
+                 EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One tile of slots t0.. (below cached_hi) into the online softmax state (m_i, sums, acc): keys [BLOCK_S,
+    HEAD_DIM] rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the slot's offset from the tile's
+    first position `start`), scored as keys @ R(-start)q (the G_PAD query columns), then acc += pᵀ C_v. K_EXACT /
+    V_EXACT: the tile may hold exact sink or window copies (latent_tile)."""
+    ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
+    delta = tl.arange(0, BLOCK_S)
+    slots = t0 + delta
+    slot_ok = slots < cached_hi
+    key1 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)  # the keys' two halves
+    key2 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)
+    for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
+        latent = latent_tile(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
+                             k_exact_ptr, k_ex_sb, k_ex_ss, b, t0, slots, slot_ok, k_lo + c, k_hi, length,
+                             k_width, k_sinks, k_window, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
+                             K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0, K_PACKED)
+        if ONE_K_CHUNK:
+            right1, right2 = up1, up2
+        else:
+            rows = k_lo + c + k_order
+            up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
+            right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0)
+            right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0)
+        key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
+        key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
+    if HAS_BIAS:
+        key1 += bias1
+        key2 += bias2
+    if HAS_ROPE:
+        key1, key2 = key1 * cos_delta - key2 * sin_delta, key2 * cos_delta + key1 * sin_delta
+        offset = pos - start
+        if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) != 0:
+            # positions not consecutive (left padding, edited caches): on by (offset - δ) f per slot
+            freq = tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32)
+            cos_t, sin_t = _trig(_reduce_angle((offset - delta).to(tl.float32)[:, None] * freq[None, :]), FAST_MATH)
+            cos_t, sin_t = cos_t.to(KEY_DTYPE), sin_t.to(KEY_DTYPE)
+            key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
+        if EXACT_ANGLES:
+            rest = _angle_rest(pos, start, offset, tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32))
+            key1, key2 = key1 - rest * key2, key2 + rest * key1
+        cos_q, sin_q = _trig(_reduce_angle(start.to(tl.float32) * inv_freq), FAST_MATH)
+        q1r = (q1 * cos_q[:, None] + q2 * sin_q[:, None]).to(DOT_DTYPE)
+        q2r = (q2 * cos_q[:, None] - q1 * sin_q[:, None]).to(DOT_DTYPE)
+    scores = _mm(key1, q1r, tl.zeros([BLOCK_S, G_PAD], tl.float32), DOT_DTYPE, IEEE)    # [BLOCK_S, G_PAD]
+    scores = _mm(key2, q2r, scores, DOT_DTYPE, IEEE)
+    visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND)
+    scores = tl.where(visible[:, None], scores * qk_scale + additive[:, None] * LOG2E, float("-inf"))
+    m_i, sums, alpha, p = _softmax_step(m_i, sums, scores, FAST_MATH)
+    values = latent_tile(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
+                         v_exact_ptr, v_ex_sb, v_ex_ss, b, t0, slots, slot_ok, v_lo, v_hi, length,
+                         v_width, v_sinks, v_window, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
+                         V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0, V_PACKED)
+    acc = _mm(tl.trans(p), values, acc * alpha[:, None], DOT_DTYPE, IEEE)
+    return m_i, sums, acc
 
 
 @triton.jit
@@ -128,19 +218,17 @@ def latent_decode_kernel(
         KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
-        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
+        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr, K_PACKED: tl.constexpr,
         V_HEADS_PER_BLOCK: tl.constexpr, V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
-        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
+        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_PACKED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
-        EXACT_ANGLES: tl.constexpr, FAST_TRIG: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Partial attention of one (batch row, KV head, split, value chunk).
-
-    Per tile, keys [BLOCK_S, HEAD_DIM] are rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the
-    slot's offset from the tile's first position p0), and scored against the GROUP_HEADS query heads (padded to
-    G_PAD rows) turned by R(-p0). Online softmax, p·C_v on tensor cores. Slots [s_lo, s_hi) of the split are read from the cache except this step's (length - 1), which the split holding it adds last from
-    new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive; EXACT_ANGLES: fp32 models (see _angle_rest)."""
+        EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
+    [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
+    which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
+    EXACT_ANGLES: fp32 models (see _angle_rest)."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     length, s_lo, s_hi = _split_range(length_ptr, num_splits, BLOCK_S)
@@ -153,22 +241,29 @@ def latent_decode_kernel(
     g_ok = g < GROUP_HEADS
     delta = tl.arange(0, BLOCK_S)
     col = h * HEAD_DIM + d
-    q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g)[:, None] * q_sh + d[None, :]
-    q1 = tl.load(q_at, mask=g_ok[:, None], other=0.0).to(tl.float32)        # [G_PAD, HALF]
-    q2 = tl.load(q_at + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g)[None, :] * q_sh + d[:, None]
+    q1 = tl.load(q_at, mask=g_ok[None, :], other=0.0).to(tl.float32)        # [HALF, G_PAD]: queries as columns
+    q2 = tl.load(q_at + HALF, mask=g_ok[None, :], other=0.0).to(tl.float32)
     if HAS_ROPE:
         inv_freq = tl.load(inv_freq_ptr + d).to(tl.float32)
-        cos_delta, sin_delta = _trig(_reduce_angle(delta.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_TRIG)
+        cos_delta, sin_delta = _trig(_reduce_angle(delta.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
+        cos_delta, sin_delta = cos_delta.to(KEY_DTYPE), sin_delta.to(KEY_DTYPE)
+        q1r, q2r = 0.0, 0.0  # turned per tile
     else:
         inv_freq = d.to(tl.float32)
+        cos_delta, sin_delta = 0.0, 0.0
         q1r, q2r = q1.to(DOT_DTYPE), q2.to(DOT_DTYPE)
+    bias1, bias2 = 0.0, 0.0
     if HAS_BIAS:
-        bias1 = tl.load(bias_k_ptr + col).to(tl.float32)[None, :]
-        bias2 = tl.load(bias_k_ptr + col + HALF).to(tl.float32)[None, :]
+        bias1 = tl.load(bias_k_ptr + col).to(KEY_DTYPE)[None, :]
+        bias2 = tl.load(bias_k_ptr + col + HALF).to(KEY_DTYPE)[None, :]
     k_lo = (h // K_HEADS_PER_BLOCK) * K_BLOCK_RANK
     k_hi = k_lo + K_BLOCK_RANK
+    k_order = packed_order(K_CHUNK, K_BITS) if K_PACKED else tl.arange(0, K_CHUNK)  # the latent tiles' channels
+    v_order = packed_order(V_CHUNK, V_BITS) if V_PACKED else tl.arange(0, V_CHUNK)
+    up1, up2 = 0.0, 0.0  # joint factors: loaded a chunk at a time in each tile
     if ONE_K_CHUNK:  # the KV head's whole block of the factor, once
-        rows = k_lo + tl.arange(0, K_CHUNK)
+        rows = k_lo + k_order
         up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
         up1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE)
         up2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE)
@@ -176,78 +271,70 @@ def latent_decode_kernel(
     v_lo = v_block + v_part * V_CHUNK
     v_hi = v_block + V_BLOCK_RANK
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, V_CHUNK], tl.float32)
+    sums = tl.zeros([BLOCK_S, G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, V_CHUNK], tl.float32)  # the latent context
+    # tiles [mid_lo, mid_hi) of the split hold no exact sink or window copy; the edge tiles around them may
+    low, high = 0, length
+    if K_EXACT:
+        low, high = tl.maximum(low, k_sinks), tl.minimum(high, length - k_window)
+    if V_EXACT:
+        low, high = tl.maximum(low, v_sinks), tl.minimum(high, length - v_window)
+    mid_lo = tl.minimum(s_lo + tl.cdiv(tl.maximum(low - s_lo, 0), BLOCK_S) * BLOCK_S, cached_hi)
+    mid_hi = tl.where(high >= cached_hi, cached_hi, s_lo + tl.maximum(high - s_lo, 0) // BLOCK_S * BLOCK_S)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), cached_hi)  # empty where the split holds no cached slot
     pos_row = pos_ptr + b * pos_sb
-    next_pos = tl.load(pos_row + s_lo + delta, mask=s_lo + delta < cached_hi, other=0)
-    next_start = tl.load(pos_row + s_lo, mask=s_lo < cached_hi, other=0)
-    for t0 in range(s_lo, cached_hi, BLOCK_S):
-        slots = t0 + delta
-        slot_ok = slots < cached_hi
-        pos, start = next_pos, next_start
-        next_pos = tl.load(pos_row + slots + BLOCK_S, mask=slots + BLOCK_S < cached_hi, other=0)
-        next_start = tl.load(pos_row + t0 + BLOCK_S, mask=t0 + BLOCK_S < cached_hi, other=0)
-        key1 = tl.zeros([BLOCK_S, HALF], tl.float32)  # the keys' two halves
-        key2 = tl.zeros([BLOCK_S, HALF], tl.float32)
-        for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
-            latent = latent_tile(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
-                                 k_exact_ptr, k_ex_sb, k_ex_ss, b, t0, slots, slot_ok, k_lo + c, k_hi, length,
-                                 k_width, k_sinks, k_window, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-                                 K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0)
-            if ONE_K_CHUNK:
-                right1, right2 = up1, up2
-            else:
-                rows = k_lo + c + tl.arange(0, K_CHUNK)
-                up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
-                right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0)
-                right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0)
-            key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
-            key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
-        if HAS_BIAS:
-            key1 += bias1
-            key2 += bias2
-        if HAS_ROPE:
-            offset = pos - start
-            if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) == 0:  # the table's angles δ f
-                cos_t, sin_t = cos_delta, sin_delta
-            else:  # positions not consecutive (left padding, edited caches): angles per slot
-                cos_t, sin_t = _trig(_reduce_angle(offset.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_TRIG)
-            key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
-            if EXACT_ANGLES:
-                rest = _angle_rest(pos, start, offset, inv_freq)
-                key1, key2 = key1 - rest * key2, key2 + rest * key1
-            cos_q, sin_q = _trig(_reduce_angle(start.to(tl.float32) * inv_freq), FAST_TRIG)
-            q1r = (q1 * cos_q[None, :] + q2 * sin_q[None, :]).to(DOT_DTYPE)
-            q2r = (q2 * cos_q[None, :] - q1 * sin_q[None, :]).to(DOT_DTYPE)
-        scores = _mm(q1r, tl.trans(key1), tl.zeros([G_PAD, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
-        scores = _mm(q2r, tl.trans(key2), scores, DOT_DTYPE, IEEE)
-        visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND)
-        scores = tl.where(visible[None, :], scores * qk_scale + additive[None, :], float("-inf"))
-        m_i, l_i, alpha, p = _softmax_step(m_i, l_i, scores)
-        values = latent_tile(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
-                             v_exact_ptr, v_ex_sb, v_ex_ss, b, t0, slots, slot_ok, v_lo, v_hi, length,
-                             v_width, v_sinks, v_window, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-                             V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0)
-        acc = _mm(p, values, acc * alpha[:, None], DOT_DTYPE, IEEE)
+    next_pos = tl.load(pos_row + mid_lo + delta, mask=mid_lo + delta < mid_hi, other=0)
+    next_start = tl.load(pos_row + mid_lo, mask=mid_lo < mid_hi, other=0)
+    for t0 in range(mid_lo, mid_hi, BLOCK_S):
+        pos, start = next_pos, next_start  # loaded a tile ahead
+        next_pos = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < mid_hi, other=0)
+        next_start = tl.load(pos_row + t0 + BLOCK_S, mask=t0 + BLOCK_S < mid_hi, other=0)
+        m_i, sums, acc = _attend_tile(
+            m_i, sums, acc, t0, pos, start, mid_hi, length, b, q1, q2, q1r, q2r, cos_delta, sin_delta, inv_freq,
+            inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+            k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+            k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2,
+            v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+            v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
+            K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
+            V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
+            HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S)
+    if K_EXACT or V_EXACT:  # the edge tiles [s_lo, mid_lo) and [mid_hi, cached_hi), one after the other
+        first_edge = tl.cdiv(tl.maximum(mid_lo - s_lo, 0), BLOCK_S)
+        for tile in range(0, first_edge + tl.cdiv(cached_hi - mid_hi, BLOCK_S)):
+            t0 = tl.where(tile < first_edge, s_lo + tile * BLOCK_S, mid_hi + (tile - first_edge) * BLOCK_S)
+            m_i, sums, acc = _attend_tile(
+                m_i, sums, acc, t0, tl.load(pos_row + t0 + delta, mask=t0 + delta < cached_hi, other=0),
+                tl.load(pos_row + t0), cached_hi, length, b, q1, q2, q1r, q2r, cos_delta, sin_delta, inv_freq,
+                inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+                k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
+                k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
+                bias2,
+                v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
+                v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
+                K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,
+                V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_PACKED,
+                HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S)
+    l_i = tl.sum(sums, 0)
     if (last >= s_lo) & (last < s_hi):  # this step's token, from its exact latents
         key1, key2 = _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb, inv_freq, b,
                                   h, last, k_lo, HEAD_DIM, K_BLOCK_RANK, K_CHUNK, HAS_BIAS, HAS_ROPE, DTYPE,
-                                  FAST_TRIG)
+                                  FAST_MATH)
         visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, last + delta, delta == 0, MASK_KIND)
-        score = tl.sum(q1 * key1[None, :] + q2 * key2[None, :], 1) * qk_scale \
-            + tl.sum(tl.where(delta == 0, additive, 0.0), 0)
+        score = tl.sum(q1 * key1[:, None] + q2 * key2[:, None], 0) * qk_scale \
+            + tl.sum(tl.where(delta == 0, additive, 0.0), 0) * LOG2E
         score = tl.where(tl.sum(visible.to(tl.int32), 0) > 0, score, float("-inf"))          # [G_PAD]
         m_new = tl.maximum(m_i, score)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(score - m_use)
+        alpha = _exp2(m_i - m_use, FAST_MATH)
+        p = _exp2(score - m_use, FAST_MATH)
         l_i = l_i * alpha + p
         m_i = m_new
-        ch = v_lo + tl.arange(0, V_CHUNK)
+        ch = v_lo + v_order
         value = tl.load(new_v_ptr + b * new_v_sb + ch, mask=ch < v_hi, other=0.0).to(DTYPE).to(tl.float32)
         acc = acc * alpha[:, None] + p[:, None] * value[None, :]
     row = (pid_bh * num_splits + tl.program_id(1)) * GROUP_HEADS + g                     # [G_PAD]
-    ch = v_part * V_CHUNK + tl.arange(0, V_CHUNK)
+    ch = v_part * V_CHUNK + v_order
     tl.store(part_acc_ptr + row[:, None] * V_BLOCK_RANK + ch[None, :], acc,
              mask=g_ok[:, None] & (ch < V_BLOCK_RANK)[None, :])
     if v_part == 0:
@@ -259,8 +346,8 @@ def latent_decode_kernel(
 def combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_splits,
                           GROUP_HEADS: tl.constexpr, RANGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
                           CHUNK: tl.constexpr):
-    """context [batch*heads, RANGE] fp32 = sum over splits of acc e^(m - M) / sum of l e^(m - M); 0 where no slot
-    was visible."""
+    """context [batch*heads, RANGE] fp32 = sum over splits of acc 2^(m - M) / sum of l 2^(m - M) (maxima in base 2);
+    0 where no slot was visible."""
     head_row, part = tl.program_id(0), tl.program_id(1)
     pid_bh, g = head_row // GROUP_HEADS, head_row % GROUP_HEADS
     split = tl.arange(0, SPLITS_PAD)
@@ -268,7 +355,7 @@ def combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num
     rows = (pid_bh * num_splits + split) * GROUP_HEADS + g
     maxima = tl.load(part_max_ptr + rows, mask=split_ok, other=float("-inf"))
     top = tl.max(maxima, 0)
-    weights = tl.exp(maxima - tl.where(top == float("-inf"), 0.0, top))
+    weights = tl.math.exp2(maxima - tl.where(top == float("-inf"), 0.0, top))
     total = tl.sum(tl.load(part_sum_ptr + rows, mask=split_ok, other=0.0) * weights, 0)
     ch = part * CHUNK + tl.arange(0, CHUNK)
     acc = tl.load(part_acc_ptr + rows[:, None] * RANGE + ch[None, :], mask=split_ok[:, None] & (ch < RANGE)[None, :],

@@ -3,8 +3,68 @@ op reads it (`lowering/reference.py`, layout in `lowering/quantize.py`): 16-bit 
 and dequantized with per-token or per-channel scales, float16 outlier channels, and the exact sink and window
 copies where the cache holds them.
 """
+import struct
+
 import triton
 import triton.language as tl
+
+
+def _half2(value: float) -> str:
+    """A float16 constant twice over, as a PTX .b32 immediate."""
+    bits = struct.unpack("<H", struct.pack("<e", value))[0]
+    return f"0x{bits:04x}{bits:04x}"
+
+
+def _pair_asm(selectors, shifts, bits) -> str:
+    """PTX turning codes into float16 latents two at a time: per output pair, the bytes holding one code of each of
+    two words sit in the two 16-bit halves of a register (prmt with `selectors` over two int32 inputs; with none,
+    codes i and i + 4 of one int32 word of 4-bit codes, the last two pairs after a shift by 8 bits), lop3 masks
+    the code (at bit `shift` of its half) into the mantissa of 1024, an exact fma takes 1024 away and divides by
+    2^shift, and a last fma applies scale and zero point (float16 inputs after the words). Outputs float16."""
+    outputs = 2 * len(shifts)
+    words = 2 if selectors else 1
+    scale = outputs + words
+    lines = [f"mov.b32 s2, {{${scale}, ${scale}}};", f"mov.b32 z2, {{${scale + 1}, ${scale + 1}}};"]
+    if not selectors:
+        lines.append(f"shr.u32 hi, ${outputs}, 8;")
+    gathered = None
+    for pair, shift in enumerate(shifts):
+        if selectors:
+            if selectors[pair] != gathered:
+                lines.append(f"prmt.b32 w, ${outputs}, ${outputs + 1}, {selectors[pair]:#06x};")
+                gathered = selectors[pair]
+            source = "w"
+        else:
+            source = f"${outputs}" if pair < 2 else "hi"
+        mask = ((1 << bits) - 1) << shift
+        lines.append(f"lop3.b32 t, {source}, {mask | mask << 16:#010x}, 0x64006400, 0xea;")
+        lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
+        lines.append("fma.rn.f16x2 t, t, s2, z2;")
+        lines.append(f"mov.b32 {{${2 * pair}, ${2 * pair + 1}}}, t;")
+    constants = [f"mov.b32 m{shift}, {_half2(2.0 ** -shift)};\nmov.b32 a{shift}, {_half2(-1024.0 * 2.0 ** -shift)};"
+                 for shift in sorted(set(shifts))]  # f16x2 operands are registers
+    names = ", ".join(f"m{shift}, a{shift}" for shift in sorted(set(shifts)))
+    return "{\n.reg .b32 s2, z2, t, w, hi, " + names + ";\n" + "\n".join(constants + lines) + "\n}"
+
+
+def _three_bit_asm(first_word: int) -> str:
+    """Codes of two 3-bit words (24 bits each) at byte offsets first_word and first_word + 3 of the 8 bytes of two
+    int32 inputs: output pair i holds code i of both."""
+    selectors, shifts = [], []
+    for code in range(8):
+        byte, shift = divmod(3 * code, 8)
+        picks = [first_word + byte, first_word + byte + 1, first_word + 3 + byte, first_word + 3 + byte + 1]
+        picks = [min(pick, 7) for pick in picks]  # a code in a word's last byte needs no byte past it
+        selectors.append(picks[0] | picks[1] << 4 | picks[2] << 8 | picks[3] << 12)
+        shifts.append(shift)
+    return _pair_asm(selectors, shifts, 3)
+
+
+# 8 codes of one int32 word of 4-bit codes: pairs (i, i + 4), i = 0..3, the second two after a shift by 8 bits
+FOUR_BIT_ASM = tl.constexpr(_pair_asm([], [0, 4, 0, 4], 4))
+# the 32 codes of 12 bytes (three int32 words) of 3-bit codes: words 0 and 1 from ints 0-1, words 2 and 3 from 1-2
+THREE_BIT_ASM_LO = tl.constexpr(_three_bit_asm(0))
+THREE_BIT_ASM_HI = tl.constexpr(_three_bit_asm(2))
 
 
 @triton.jit
@@ -75,6 +135,80 @@ def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
 
 
 @triton.jit
+def _flat8(o0, o1, o2, o3, o4, o5, o6, o7):
+    """[..., 2, 2, 2] holding o_j at flat index j (tl.join adds the minor axis: the outer join takes the even and
+    odd j)."""
+    return tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+
+
+@triton.jit
+def _flat16(o):
+    """[..., 2, 2, 2, 2] holding o[j] at flat index j."""
+    return tl.join(_flat8(o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14]),
+                   _flat8(o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15]))
+
+
+@triton.jit
+def packed_order(CHUNK: tl.constexpr, BITS: tl.constexpr):
+    """[CHUNK] the channel (counted from the chunk's first) each column of packed_tile holds. A register's two
+    float16 latents stay side by side, as dot operands take them, so the columns are permuted: at 4 bits (codes
+    i and i + 4 of a word in a register) so that each thread of the key product's operand holds whole words of
+    its own, at 3 bits within each 32 channels (code i of words 0 and 1, then of words 2 and 3)."""
+    j = tl.arange(0, CHUNK)
+    if BITS == 4:  # column 32 u + 8 i + 2 t + e: channel 8 (t CHUNK / 32 + u) + i + 4 e
+        return 8 * (((j >> 1) & 3) * (CHUNK // 32) + (j >> 5)) + ((j >> 3) & 3) + 4 * (j & 1)
+    return (j & ~31) + 16 * ((j & 31) >> 4) + 8 * (j & 1) + ((j & 15) >> 1)
+
+
+@triton.jit
+def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi,
+                BITS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+                EVEN: tl.constexpr):
+    """float16 latents [BLOCK_S, CHUNK] of channels ch0 + packed_order (ch0, CHUNK and ch_hi multiples of GROUP,
+    itself a multiple of 8 for 4 bits, of 32 for 3; CHUNK of 32), from codes read as int32 words (rows: each
+    slot's byte offset, a multiple of 4) and dequantized two at a time in float16 registers (FOUR_BIT_ASM,
+    THREE_BIT_ASM_*). Exact where the reference's float32 result rounds to the same float16, as codes and float16
+    scales make likely."""
+    GROUPS: tl.constexpr = CHUNK // GROUP
+    words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    group = ch0 // GROUP + tl.arange(0, GROUPS)
+    ok = slot_ok[:, None] & ((group >= 0) if EVEN else (group * GROUP < ch_hi))[None, :]
+    scale = tl.load(scale_ptr + scale_rows[:, None] + group[None, :], mask=ok, other=0.0).to(tl.float16)[:, :, None]
+    zero = tl.load(zero_ptr + scale_rows[:, None] + group[None, :], mask=ok, other=0.0).to(tl.float16)[:, :, None]
+    ok = ok[:, :, None]
+    if BITS == 4:  # thread t of a dot operand's 4 takes channel pairs 2t, 2t + 1 mod 8: whole words of its own
+        WORDS: tl.constexpr = CHUNK // 32
+        word = ch0 // 8 + tl.arange(0, 4)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]     # [4, WORDS]
+        ok = slot_ok[:, None, None] & ((word >= 0) if EVEN else (word * 8 < ch_hi))[None, :, :]
+        codes = tl.load(words_ptr + (rows // 4)[:, None, None] + word[None, :, :], mask=ok, other=0)
+        # each group's scale over its GROUP / 8 words
+        scale = tl.reshape(tl.broadcast_to(scale, (BLOCK_S, GROUPS, GROUP // 8)), codes.shape)
+        zero = tl.reshape(tl.broadcast_to(zero, (BLOCK_S, GROUPS, GROUP // 8)), codes.shape)
+        out = tl.inline_asm_elementwise(FOUR_BIT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [codes, scale, zero],
+                                        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        # [slots, 4 (t), WORDS (u), 2, 2 (pair i), 2 (e)] -> column 32 u + 8 i + 2 t + e
+        values = tl.permute(_flat8(out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7]),
+                            (0, 2, 3, 4, 1, 5))
+    else:
+        BLOCKS: tl.constexpr = GROUP // 32  # 32 codes in 12 bytes, three int32 words
+        word = (group[:, None] * (3 * BLOCKS) + 3 * tl.arange(0, BLOCKS)[None, :])[None, :, :]
+        at = words_ptr + (rows // 4)[:, None, None] + word
+        first = tl.load(at, mask=ok, other=0)
+        middle = tl.load(at + 1, mask=ok, other=0)
+        last = tl.load(at + 2, mask=ok, other=0)
+        shape: tl.constexpr = first.shape
+        scale = tl.broadcast_to(scale, shape)
+        zero = tl.broadcast_to(zero, shape)
+        low = tl.inline_asm_elementwise(THREE_BIT_ASM_LO, "=h," * 16 + "r,r,h,h", [first, middle, scale, zero],
+                                        dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+        high = tl.inline_asm_elementwise(THREE_BIT_ASM_HI, "=h," * 16 + "r,r,h,h", [middle, last, scale, zero],
+                                         dtype=(tl.float16,) * 16, is_pure=True, pack=1)
+        # [.., 16 (2, 2, 2, 2), 2] -> the words 0-1 block before the words 2-3 block
+        values = tl.permute(tl.join(_flat16(low), _flat16(high)), (0, 1, 2, 7, 3, 4, 5, 6))
+    return tl.reshape(values, (BLOCK_S, CHUNK))
+
+
+@triton.jit
 def _dequant(codes, scale, zero, DTYPE: tl.constexpr):
     return (_as_float(codes) * scale + zero).to(DTYPE)
 
@@ -113,23 +247,20 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
 
 
 @triton.jit
-def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss,
-                 b, first, slots, slot_ok, ch0, ch_hi, length, width, sinks, window,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
-                 CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN: tl.constexpr):
-    """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
-    reference reads them: dequantized codes, or the exact copy where the cache holds one.
-    FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). EVEN: every
-    channel of the chunk is below ch_hi, so only the slots are masked and the loads stay wide."""
-    ch = ch0 + tl.arange(0, CHUNK)
-    ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
+def _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi,
+               width, BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, CHANNEL: tl.constexpr,
+               OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
+               EVEN: tl.constexpr, PACKED: tl.constexpr):
+    """The cache's latents [BLOCK_S, CHUNK] of `slots` (columns `ch`) in DTYPE: 16-bit, or codes dequantized."""
     if BITS == 16:
         at = lat_ptr + b * lat_sb + slots[:, None] * lat_ss + ch[None, :]
         if EVEN:
             values = tl.load(at, mask=slot_ok[:, None], other=0.0).to(DTYPE)
         else:
             values = tl.load(at, mask=slot_ok[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
+    elif PACKED:
+        values = packed_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
+                             slot_ok, ch0, ch_hi, BITS, GROUP, CHUNK, BLOCK_S, EVEN)
     elif FAST:
         values = grouped_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
                                slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE, EVEN)
@@ -137,6 +268,29 @@ def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exac
         scale_rows = b * sz_sb + (slots // GROUP if CHANNEL else slots) * sz_ss
         values = gathered_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
                                 ch_hi, width, BITS, GROUP, CHANNEL, OUTLIERS, CHUNK).to(DTYPE)
+    return values
+
+
+@triton.jit
+def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss,
+                 b, first, slots, slot_ok, ch0, ch_hi, length, width, sinks, window,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
+                 CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+                 DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
+    """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
+    reference reads them: dequantized codes, or the exact copy where the cache holds one.
+    FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). PACKED: float16
+    latents from int32 words (packed_tile), columns in packed_order. EVEN: every channel of the chunk is below
+    ch_hi, so only the slots are masked and the loads stay wide.
+    A tile holding exact copies (sinks, window) reads its codes again inside its branch, for the slots it does not
+    hold: the tiles without any then take the codes straight into the layout their dot wants."""
+    if PACKED:
+        ch = ch0 + packed_order(CHUNK, BITS)
+    else:
+        ch = ch0 + tl.arange(0, CHUNK)
+    ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
+    values = _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok, ch, ch_ok,
+                        ch0, ch_hi, width, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED)
     if EXACT:
         if (first < sinks) | (first + BLOCK_S > length - 1 - window):
             in_window = slots >= length - window  # never below length - 1 when window is 0
@@ -144,5 +298,8 @@ def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exac
             entry = tl.where(in_window, sinks + slots % tl.maximum(window, 1), slots)
             at = exact_ptr + b * ex_sb + entry[:, None] * ex_ss + ch[None, :]
             exact = tl.load(at, mask=held[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
-            values = tl.where(held[:, None], exact, values)
+            coded = _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok & ~held,
+                               ch, ch_ok, ch0, ch_hi, width, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK, BLOCK_S,
+                               DTYPE, EVEN, PACKED)
+            values = tl.where(held[:, None], exact, coded)
     return values

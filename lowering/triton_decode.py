@@ -25,22 +25,23 @@ DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Launch geometry: slots per tile, warps, pipeline stages, waves (programs per multiprocessor the split of
-    the slots aims for), and a cap on registers per thread (None: the compiler's choice), which trades spills
-    for more programs resident per multiprocessor."""
+    """Launch geometry: slots per tile, warps, pipeline stages, and a cap on registers per thread (None: the
+    compiler's choice), which trades spills for more programs resident per multiprocessor. The slots are split
+    so that the grid fills whole waves of the programs that fit at once (`_splits`)."""
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    waves: float = 4.0
     max_registers: Optional[int] = None
 
 
-# the fastest of CANDIDATES on an H100 for every swept plan of both shapes at 16K (benchmarks/attention.py --sweep)
-DEFAULT = DecodeConfig(block_s=64, num_warps=4, num_stages=3, waves=4.0)
-CANDIDATES = (DEFAULT, DecodeConfig(block_s=32, num_warps=4, num_stages=3, waves=4.0),
-              DecodeConfig(block_s=32, num_warps=4, num_stages=3, waves=8.0, max_registers=168),
-              DecodeConfig(block_s=64, num_warps=4, num_stages=3, waves=8.0, max_registers=168))
+# the fastest of CANDIDATES on an H100 at 16K (benchmarks/attention.py --sweep): 255 registers, two programs per
+# multiprocessor, where codes are dequantized or keys kept in float32; 168 (three) for float16 keys of 16-bit latents
+DEFAULT = DecodeConfig(block_s=64, num_warps=4, num_stages=3)
+DEFAULT_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168)
+CANDIDATES = (DEFAULT, DEFAULT_HALVES,
+              DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=128))
 FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
+WAVE_FILL = 0.9  # the least share of the last wave of programs the split of the slots accepts
 _BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)
 
 
@@ -72,23 +73,59 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_RESIDENT = {}  # (device, launch constants) -> programs of the compiled kernel one multiprocessor holds at once
+
+
+def _resident(kernel, args, constants, device) -> int:
+    """How many programs of this compiled kernel fit on one multiprocessor at once: the least of what its
+    registers, shared memory and warps allow."""
+    key = (device, tuple(sorted((name, str(value)) for name, value in constants.items())))
+    if key not in _RESIDENT:
+        if device.type != "cuda":  # the interpreter: as many as keep its tests splitting the slots
+            _RESIDENT[key] = 4
+        else:
+            compiled = kernel.warmup(*args, grid=(1,), **constants)
+            compiled._init_handles()  # loads the binary: n_regs is known from here
+            props = torch.cuda.get_device_properties(device)
+            warps = compiled.metadata.num_warps
+            per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # registers go to warps 256 at a time
+            by_registers = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+            by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
+            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+            _RESIDENT[key] = max(1, min(by_registers, by_shared, by_threads, 32))
+    return _RESIDENT[key]
+
+
+def _splits(base: int, slots: int, capacity: int, block_s: int) -> int:
+    """Splits of the cache per (batch row, KV head, value chunk): the fewest that make the grid fill whole waves
+    of resident programs (`slots` programs at a time) to WAVE_FILL, as long programs amortize their setup;
+    at most 64 and at least two tiles each."""
+    most = max(1, min(capacity // (2 * block_s), 64))
+    for splits in range(1, most + 1):
+        waves = base * splits / slots
+        if waves >= WAVE_FILL and waves / math.ceil(waves) >= WAVE_FILL:
+            return splits
+    return most
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, blocks, max_chunk):
-    """Kernel arguments and constants of one side (K or V)."""
+def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, blocks, halves):
+    """Kernel arguments and constants of one side (K or V); halves: the latents are float16 and the codes may be
+    dequantized in float16 registers (PACKED)."""
     if bits not in BITS:
         raise NotImplementedError(f"{name}_bits={bits}: the Triton decode kernel reads bits {BITS}")
     if axis not in ("token", "channel"):
         raise NotImplementedError(f"{name}_axis={axis!r}: the Triton decode kernel reads 'token' and 'channel' scales")
     rank = new.shape[-1]
     block_rank = rank // blocks
-    chunk = max(16, min(_pow2(block_rank), max_chunk))
+    chunk = max(16, min(_pow2(block_rank), 128))
     dummy = latent
     side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new.reshape(new.shape[0], rank).contiguous(),
                 width=rank, sinks=0, window=0, BITS=bits, GROUP=1, FAST=False, EXACT=False, CHANNEL=False,
-                OUTLIERS=0, BLOCK_RANK=block_rank, CHUNK=chunk)
+                OUTLIERS=0, PACKED=False, BLOCK_RANK=block_rank, CHUNK=chunk)
     if latent.stride(-1) != 1:
         raise NotImplementedError(f"latent_{name} has a non-contiguous last axis")
     if bits == 16:
@@ -107,8 +144,11 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     # whole groups of whole bytes (3-byte words of 8 codes at 3 bits) per block: contiguous loads (grouped_tile)
     fast = (not channel and not outliers and group & (group - 1) == 0 and group <= chunk and block_rank % group == 0
             and (group * bits) % (24 if bits == 3 else 8) == 0)
+    # whole int32 words per group (8 codes at 4 bits, 32 in three words at 3) on 4-byte aligned rows
+    packed = (halves and fast and bits in (3, 4) and group % (8 if bits == 4 else 32) == 0 and chunk % 32 == 0
+              and latent.stride(0) % 4 == 0 and latent.stride(1) % 4 == 0 and latent.data_ptr() % 4 == 0)
     side.update(scale=scale, zero=zero, width=latent.shape[-1], GROUP=group, FAST=fast, CHANNEL=channel,
-                OUTLIERS=outliers, CHUNK=chunk)
+                OUTLIERS=outliers, PACKED=packed, CHUNK=chunk)
     if exact.numel():
         if exact.stride(-1) != 1:
             raise NotImplementedError(f"{name}_exact has a non-contiguous last axis")
@@ -116,19 +156,26 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     return side
 
 
+def default_config(half_keys: bool, codes: bool) -> DecodeConfig:
+    """The launch geometry `decode_attention` takes: DEFAULT_HALVES where keys are rebuilt in float16 (float16
+    models, head- or group-wise factors) from 16-bit latents, DEFAULT where codes are dequantized or keys are float32
+    (their registers would spill under the cap)."""
+    return DEFAULT_HALVES if half_keys and not codes else DEFAULT
+
+
 def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
                      new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
                      v_outliers):
     """`reference.latent_attention` for one new token per sequence, on the Triton kernel (default geometry)."""
-    return decode_attention_with(DEFAULT, **{name: value for name, value in locals().items()})
+    return decode_attention_with(None, **{name: value for name, value in locals().items()})
 
 
-def decode_attention_with(config: DecodeConfig, *, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale,
-                          v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale,
-                          length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks, k_axis,
-                          k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
-    """`decode_attention` with an explicit launch geometry (benchmarks sweep it)."""
+def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_scale, k_zero, k_exact, latent_v,
+                          v_scale, v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq,
+                          rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks,
+                          k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
+    """`decode_attention` with an explicit launch geometry (None: `default_config`; benchmarks sweep it)."""
     batch, heads, tokens, head_dim = query.shape
     device = query.device
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -150,21 +197,20 @@ def decode_attention_with(config: DecodeConfig, *, query, latent_k, k_scale, k_z
     group = heads // num_kv_heads
     k_blocks = diagonal_blocks(up_k, num_kv_heads)
     v_blocks = diagonal_blocks(up_v, num_kv_heads) if up_v is not None else 1
+    halves = query.dtype == torch.float16 and not interpret
     keys = _side("k", latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers,
-                 k_blocks, 128)
+                 k_blocks, halves)
     values = _side("v", latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers,
-                   v_blocks, 128)
+                   v_blocks, halves)
     v_range = values["BLOCK_RANK"]
     v_parts = triton.cdiv(v_range, values["CHUNK"])
-    g_pad = max(16, _pow2(group))  # tensor-core rows: the query heads sharing the rebuilt keys, padded
+    g_pad = max(16, _pow2(group))  # the scores' tensor-core columns: the query heads sharing the rebuilt keys
 
     if not isinstance(length, torch.Tensor):
         length = torch.tensor(int(length), device=device)
     length = length.to(device)
     capacity = latent_k.shape[1]
     base = batch * num_kv_heads * v_parts
-    wanted = triton.cdiv(int(config.waves * _multiprocessors(device)), base)
-    splits = max(1, min(wanted, capacity // (2 * config.block_s), 64))
 
     query = query.contiguous()
     up = up_k.to(query.dtype).contiguous()
@@ -173,45 +219,58 @@ def decode_attention_with(config: DecodeConfig, *, query, latent_k, k_scale, k_z
         mask_kind, mask = (1 if attn_mask.dtype == torch.bool else 2), attn_mask
         mask_sb = attn_mask.stride(0) if attn_mask.shape[0] == batch else 0
         mask_ss = attn_mask.stride(3)
-    rows = batch * num_kv_heads * splits * group
-    part_acc = torch.empty(rows * v_range, dtype=torch.float32, device=device)
-    part_max = torch.empty(rows, dtype=torch.float32, device=device)
-    part_sum = torch.empty(rows, dtype=torch.float32, device=device)
     rope = inv_freq is not None
-    qk_scale = softmax_scale * (rope_scale if rope else 1.0)
+    # keys accumulate and turn in float16 where the factor's block is one chunk (a few roundings, like the cast after)
+    half_keys = halves and keys["BLOCK_RANK"] <= keys["CHUNK"]
+    qk_scale = softmax_scale * (rope_scale if rope else 1.0) * math.log2(math.e)  # the kernel's softmax is base 2
     k, v = keys, values
     kernel = latent_decode.latent_decode_kernel
-    args = (
-        query, query.stride(0), query.stride(1),
-        k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"], k["scale"].stride(0),
-        k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1), k["new"], k["new"].stride(0),
-        v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"], v["scale"].stride(0),
-        v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1), v["new"], v["new"].stride(0),
-        positions, positions.stride(0), up, up.stride(0),
-        bias_k.float().contiguous() if bias_k is not None else query,
-        inv_freq.float().contiguous() if rope else query, mask, mask_sb, mask_ss, length,
-        part_acc, part_max, part_sum,
-        qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])
+
+    def arguments(splits, part_acc, part_max, part_sum):
+        return (
+            query, query.stride(0), query.stride(1),
+            k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"], k["scale"].stride(0),
+            k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1), k["new"],
+            k["new"].stride(0),
+            v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"], v["scale"].stride(0),
+            v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1), v["new"],
+            v["new"].stride(0),
+            positions, positions.stride(0), up, up.stride(0),
+            bias_k.float().contiguous() if bias_k is not None else query,
+            inv_freq.float().contiguous() if rope else query, mask, mask_sb, mask_ss, length,
+            part_acc, part_max, part_sum,
+            qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])
+
     constants = dict(
         KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=g_pad, HEAD_DIM=head_dim,
         K_HEADS_PER_BLOCK=num_kv_heads // k_blocks, K_BLOCK_RANK=k["BLOCK_RANK"], K_CHUNK=k["CHUNK"],
         K_BITS=k["BITS"], K_GROUP=k["GROUP"], K_FAST=k["FAST"], K_EXACT=k["EXACT"], K_CHANNEL=k["CHANNEL"],
-        K_OUTLIERS=k["OUTLIERS"],
+        K_OUTLIERS=k["OUTLIERS"], K_PACKED=k["PACKED"],
         V_HEADS_PER_BLOCK=num_kv_heads // v_blocks, V_BLOCK_RANK=v_range, V_CHUNK=v["CHUNK"],
         V_BITS=v["BITS"], V_GROUP=v["GROUP"], V_FAST=v["FAST"], V_EXACT=v["EXACT"], V_CHANNEL=v["CHANNEL"],
-        V_OUTLIERS=v["OUTLIERS"],
+        V_OUTLIERS=v["OUTLIERS"], V_PACKED=v["PACKED"],
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind,
-        EXACT_ANGLES=query.dtype == torch.float32, FAST_TRIG=not interpret, DTYPE=DTYPES[query.dtype],
+        EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
-        IEEE=query.dtype == torch.float32)
-    grid = (batch * num_kv_heads, splits, v_parts)
-    registers = {} if config.max_registers is None or interpret else dict(maxnreg=config.max_registers)
+        KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32)
+    if config is None:
+        config = default_config(half_keys, k_bits != 16 or v_bits != 16)
+    scratch = torch.empty(1, dtype=torch.float32, device=device)
+    launch = dict(BLOCK_S=config.block_s, num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers is not None and not interpret:
+        launch.update(maxnreg=config.max_registers)
     try:
-        kernel[grid](*args, **constants, BLOCK_S=config.block_s, num_warps=config.num_warps,
-                     num_stages=config.num_stages, **registers)
+        resident = _resident(kernel, arguments(2, scratch, scratch, scratch), {**constants, **launch}, device)
     except OutOfResources:  # a geometry too large for this shape (wide joint chunks): the smallest one
-        kernel[grid](*args, **constants, BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps,
-                     num_stages=FALLBACK.num_stages)
+        launch = dict(BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps, num_stages=FALLBACK.num_stages)
+        resident = _resident(kernel, arguments(2, scratch, scratch, scratch), {**constants, **launch}, device)
+    splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
+    rows = batch * num_kv_heads * splits * group
+    part_acc = torch.empty(rows * v_range, dtype=torch.float32, device=device)
+    part_max = torch.empty(rows, dtype=torch.float32, device=device)
+    part_sum = torch.empty(rows, dtype=torch.float32, device=device)
+    kernel[(batch * num_kv_heads, splits, v_parts)](*arguments(splits, part_acc, part_max, part_sum), **constants,
+                                                    **launch)
     context = torch.empty(batch * heads, v_range, dtype=torch.float32, device=device)
     chunk = min(_pow2(v_range), 256)
     latent_decode.combine_splits_kernel[(batch * heads, triton.cdiv(v_range, chunk))](
