@@ -9,12 +9,15 @@ import logging
 import warnings
 from pathlib import Path
 
+import torch
+
 from lrkv_compile.lowering import ops  # noqa: F401  (registers torch.ops.lrkv.*)
 from lrkv_compile.lowering.lower import lower
 from lrkv_compile.lowering.ops import IMPLEMENTATIONS
+from lrkv_compile.passes.canonicalize import canonicalize
 from lrkv_compile.passes.rewrite import rewrite
 from lrkv_compile.passes.sites import find_sites
-from .errors import LrkvWarning, PlanError
+from .errors import LrkvWarning, PlanError, UnrewrittenSiteError
 from .fit import check_sites, warn_left_full
 from .plan import RankPlan
 from .trace import PRIVATE_NAME
@@ -65,6 +68,13 @@ def lrkv_backend(gm, example_inputs, options=None, **_):
     global _warned_stock_cache
     options = dict(options or {})
     plan, policy = resolve_options(options)
+    if not torch._dynamo.config.assume_static_by_default:
+        raise UnrewrittenSiteError(
+            "torch.compile(..., backend='lrkv', dynamic=True) is not supported: it lifts the model's float and "
+            "integer attributes (attention scales, RoPE scaling, layer indices) into graph inputs, which the "
+            "rewrite needs as constants. Leave dynamic at its default (None): Dynamo then makes dynamic only the "
+            "dimensions that change between calls, such as the sequence length")
+    canonicalize(gm)
     sites, unmatched = find_sites(gm)
     for miss in unmatched:
         warnings.warn(f"lrkv: attention at {miss.node} left untouched: {miss.reason}", LrkvWarning, stacklevel=2)

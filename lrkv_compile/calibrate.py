@@ -376,8 +376,14 @@ def _keep_choices(sites, blocks, layouts, keep_k, keep_v) -> dict:
             # a side quantized per token has a rank of whole quantization groups (per channel: any rank)
             per_token = layout.bits != 16 and layout.axis == "token"
             multiple = math.lcm(side_blocks, layout.group) if per_token else side_blocks
-            rank = rank_for(side_keep, site.num_kv_heads * site.head_dim, site.hidden_size, multiple)
-            asked = side_keep * site.num_kv_heads * site.head_dim
+            full = site.num_kv_heads * site.head_dim
+            if multiple > min(full, site.hidden_size):
+                raise PlanError(f"group={layout.group} on {side.upper()} (per-token scales) needs a rank that is a "
+                                f"multiple of {multiple}, but site {site.index} has only {min(full, site.hidden_size)} "
+                                f"{side.upper()} channels: pick a group that divides the rank you want, or "
+                                f"axis_{side}='channel'")
+            rank = rank_for(side_keep, full, site.hidden_size, multiple)
+            asked = side_keep * full
             if multiple > side_blocks and abs(rank - asked) >= side_blocks and site.index == 0:
                 warnings.warn(f"lrkv: keep_{side}={side_keep} asks for rank {asked:g}; a whole number of quantization "
                               f"groups (group={layout.group}, rank a multiple of {multiple}) gives rank {rank}: "

@@ -1,9 +1,10 @@
 """Command line: `lrkv calibrate` (a plan from a model and text), `lrkv transfer` (a plan carried over to
-another model), `lrkv inspect` (a plan's layers), `lrkv explain` (what the matcher finds) and `lrkv eval`
+another model), `lrkv inspect` (a plan's layers), `lrkv explain` (what the matcher finds), `lrkv eval`
 (perplexity, full-sequence and on the continuation protocol, and the passkey test, beside transformers'
-QuantizedCache)."""
+QuantizedCache) and `lrkv fuzz` (the rewrites checked on random architectures, plans and inputs)."""
 import argparse
 import json
+from pathlib import Path
 
 from .calibrate import DEFAULT_SINKS, DEFAULT_WINDOW
 from .plan import DEFAULT_CONTEXT
@@ -45,6 +46,7 @@ def cmd_eval(args):
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
+    from .compiled import cache_keyword
     from .evaluate import cached_perplexity, passkey_prompts, passkeys_retrieved, quantized_cache_fraction
     from .models import load_model
     model, tokenizer = load_model(args.model)
@@ -78,7 +80,8 @@ def cmd_eval(args):
             return QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=args.quanto_group)
         score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", "QuantizedCache", model.forward,
               quantized, quantized_cache_fraction(nbits, args.quanto_group),
-              lambda ids, quantized=quantized, **options: model.generate(ids, past_key_values=quantized(), **options))
+              lambda ids, quantized=quantized, **options: model.generate(ids, **{cache_keyword(model): quantized()},
+                                                                         **options))
     stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
     # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
     exact = dict(context=args.length, sinks=args.sinks, window=args.window)
@@ -145,7 +148,6 @@ def _console():
 
 def _folder_of(path):
     """Create the folder an output file goes into."""
-    from pathlib import Path
     Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
@@ -269,6 +271,18 @@ def _plot_plan(plan, path):
     figure.savefig(path, dpi=120)
 
 
+def cmd_fuzz(args):
+    """Random architectures, plans and inputs through the backend; exits 1 with a reproducer on a mismatch."""
+    from .fuzz import CHECKS, fuzz
+    summary = fuzz(args.examples, seed=args.seed, families=args.family, checks=args.check or CHECKS,
+                   shrink_seconds=args.shrink_seconds)
+    if args.json:
+        _folder_of(args.json)
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    if "failure" in summary:
+        raise SystemExit(1)
+
+
 def _exact_arguments(parser):
     parser.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
                         help="first tokens of a sequence also held exact (16-bit) on quantized sides")
@@ -340,6 +354,15 @@ def main(argv=None):
     inspect.add_argument("plan")
     inspect.add_argument("--plot", help="also draw ranks, bits and bytes per layer to this image file")
     inspect.set_defaults(run=cmd_inspect)
+    fuzzer = commands.add_parser("fuzz", help="check the rewrites on random architectures, plans, inputs and "
+                                              "graph mutations (hypothesis); exit 1 with a reproducer on a mismatch")
+    fuzzer.add_argument("--examples", type=int, default=100, help="cases to run")
+    fuzzer.add_argument("--seed", type=int, default=0, help="the draw: the same seed runs the same cases")
+    fuzzer.add_argument("--family", nargs="+", help="only these families of the zoo (default: all)")
+    fuzzer.add_argument("--check", nargs="+", help="only these checks: full, truncated, decode (default: all)")
+    fuzzer.add_argument("--shrink-seconds", type=float, default=300, help="time to spend shrinking a failure")
+    fuzzer.add_argument("--json", help="also write the summary to this JSON file")
+    fuzzer.set_defaults(run=cmd_fuzz)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -12,6 +12,7 @@ import types
 import torch
 from torch._dynamo.exc import Unsupported, UserError
 
+from lrkv_compile.passes.canonicalize import canonicalize
 from .errors import UnrewrittenSiteError
 
 PRIVATE_NAME = "lrkv_private_forward"  # the code name Dynamo's messages show for these copies
@@ -47,7 +48,8 @@ class _Captured(Exception):
 
 def capture(model, input_ids: torch.Tensor, past_key_values=None):
     """Trace `model.forward(input_ids=...)` with Dynamo, through `past_key_values` if given (else with
-    use_cache=False); the graph is captured, never run, and no compiled state outlives the call.
+    use_cache=False), and canonicalize it; the graph is captured, never run, and no compiled state outlives the
+    call.
 
     Returns (graph module, example inputs, index of input_ids among them, name_of) where name_of maps a
     placeholder to its parameter name.
@@ -74,6 +76,7 @@ def capture(model, input_ids: torch.Tensor, past_key_values=None):
     if len(captured) != 1:
         raise RuntimeError(f"expected one graph from the model's forward, Dynamo produced {len(captured)}")
     gm, example_inputs = captured[0]
+    canonicalize(gm)  # the graph the backend will rewrite is canonicalized the same way
     names = {id(tensor): name for name, tensor in list(model.named_parameters()) + list(model.named_buffers())}
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     by_node = {node: names.get(id(value)) for node, value in zip(placeholders, example_inputs)}

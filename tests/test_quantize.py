@@ -157,6 +157,9 @@ def test_a_rank_rounded_to_whole_groups_warns_and_bits_must_be_integers():
     model = build_model(SMALL)
     with pytest.warns(lrkv.LrkvWarning, match="gives rank 16"):
         lrkv.RankPlan.uniform(model, keep=0.25, bits=4, group=16, progress=False)
+    full = SMALL["num_key_value_heads"] * SMALL["head_dim"]
+    with pytest.raises(lrkv.PlanError, match=f"group={2 * full} on K .* has only {full} K channels"):  # (fuzzer)
+        lrkv.RankPlan.uniform(model, keep=0.25, bits=4, group=2 * full, scheme="joint", progress=False)
     with pytest.raises(lrkv.PlanError, match="bits=4.0"):
         lrkv.Layout(bits=4.0)
 
