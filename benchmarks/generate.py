@@ -9,6 +9,8 @@ then decode steps are timed.
     python benchmarks/generate.py --tiny      # a small model on CPU: checks the script, times nothing useful
     python benchmarks/generate.py --only "budget" --profile   # some paths, with their most expensive kernels
 
+lrkv's paths run each plan twice: compiled as lrkv.compile does by default, and with mode="reduce-overhead".
+
 Rows: path, batch, context, ms_per_step, tokens_per_s, cache_GiB, peak_GiB (torch.cuda.max_memory_allocated over
 the timed steps), compile_s (the first step's time less a timed step's, for compiled paths), kernel_calls_per_step
 (launches of the Triton decode path: one per layer when lrkv's "auto" picked it), and max_batch: the largest
@@ -109,7 +111,12 @@ def time_steps(step, steps, device):
 
 def measure(path, step, cache_bytes, batch, context, steps, device, compiled, profile=False):
     kernel_calls.clear()
-    first, step_s = time_steps(step, steps, device)
+    try:
+        first, step_s = time_steps(step, steps, device)
+    except Exception as error:  # a path that fails is reported with its error, and the others still run
+        row = dict(path=path, batch=batch, context=context, error=f"{type(error).__name__}: {error}"[:2000])
+        print(json.dumps(row))
+        return row
     launches = len(kernel_calls) / (steps + 3)
     if profile:  # where a step's time goes: the device kernels of three steps, most time first
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -162,13 +169,18 @@ def main():
                  model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=32, sinks=4, scheme="head", context=context,
                  progress=False)),
              ("lrkv keep 0.5", lambda: lrkv.RankPlan.uniform(model, keep=0.5, scheme="head", progress=False))]
-    for name, make_plan in plans:
+    # each plan compiled as lrkv.compile does by default (Inductor around the latent ops) and with Inductor's
+    # reduce-overhead mode (CUDA graphs replay the whole step: no launch cost per op)
+    lrkv_modes = ["default"] if args.tiny else ["default", "reduce-overhead"]
+    runs = [(name if mode == "default" else f"{name}, {mode}", make_plan, mode)
+            for name, make_plan in plans for mode in lrkv_modes]
+    for name, make_plan, mode in runs:
         if not wanted(name):
             continue
         plan = make_plan()
         print(name, plan.summary())
         cache = lrkv.LatentCache(model, plan, max_batch_size=batch, max_cache_len=context)
-        lm = lrkv.compile(model, plan)
+        lm = lrkv.compile(model, plan, mode=mode)
 
         def step(lm=lm, cache=cache):
             with torch.no_grad():

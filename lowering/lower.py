@@ -17,17 +17,38 @@ def choose_kernels(gm: torch.fx.GraphModule, kernels: str) -> None:
     gm.recompile()
 
 
-def lower(gm: torch.fx.GraphModule, example_inputs, kernels: str = "auto", inductor=None):
-    """The callable the backend returns for the rewritten `gm`: Inductor's compilation of it when `inductor`
-    (None: when the graph's tensors are on CUDA), else its own forward."""
+def lower(gm: torch.fx.GraphModule, example_inputs, kernels: str = "auto", inductor=None, mode: str = "default"):
+    """The callable the backend returns for the rewritten `gm`: Inductor's compilation of it in `mode` (as
+    torch.compile(mode=...) sets Inductor up: "reduce-overhead" replays CUDA graphs) when `inductor` (None: when
+    the graph's tensors are on CUDA, or a mode other than "default" is asked for), else its own forward."""
     choose_kernels(gm, kernels)
     if inductor is None:
-        inductor = any(isinstance(value, torch.Tensor) and value.is_cuda for value in example_inputs)
+        inductor = mode != "default" or any(isinstance(value, torch.Tensor) and value.is_cuda
+                                            for value in example_inputs)
+    if kernels != "reference":
+        _prepare_kernels(gm)
     if not inductor:
         return gm.forward
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
     _name_the_factors(gm)
-    return compile_fx(gm, example_inputs)
+    return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode))
+
+
+def _prepare_kernels(gm: torch.fx.GraphModule) -> None:
+    """Let the Triton launcher build what it keeps per factor tensor now, at compile time (`triton_decode.prepare`),
+    for every latent_attention call whose factors are CUDA buffers of the graph."""
+    buffers = dict(gm.named_buffers())
+
+    def constant(node):
+        return buffers.get(node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.lrkv.latent_attention.default:
+            continue
+        up_k, up_v = constant(node.kwargs.get("up_k")), constant(node.kwargs.get("up_v"))
+        if up_k is not None and up_k.is_cuda:
+            from . import triton_decode  # needs triton, which CPU-only installs may lack
+            triton_decode.prepare(up_k, up_v, node.kwargs["num_kv_heads"])
 
 
 def _name_the_factors(gm: torch.fx.GraphModule) -> None:

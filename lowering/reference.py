@@ -14,27 +14,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, batch, start):
-    """Write new [batch, tokens, rank] latents of sequence indices [start, start + tokens): quantized if bits < 16,
-    and exact copies of the sinks (index < sinks) and of the last `window` indices (ring entry sinks + index %
-    window). Index i goes to slot i % slots (slots = latent.shape[1]): the identity for a cache as long as the
-    context, a ring for a sliding-window layer, which keeps the last `slots` indices (a multiple of a channel-axis
-    group). Per channel (axis "channel"), the blocks of `group` indices this write completes are quantized from
-    their 16-bit copies: the earlier indices' from the window ring, which holds them (window >= group), this
-    step's rounded."""
-    tokens, capacity = new.shape[1], latent.shape[1]
-    indices = torch.arange(start, start + tokens, device=new.device)
+def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, batch, indices):
+    """Write new [batch, tokens, rank] latents of sequence indices `indices` ([tokens], consecutive, a tensor):
+    quantized if bits < 16, and exact copies of the sinks (index < sinks) and of the last `window` indices (ring
+    entry sinks + index % window). Index i goes to slot i % slots (slots = latent.shape[1]): the identity for a
+    cache as long as the context, a ring for a sliding-window layer, which keeps the last `slots` indices (a
+    multiple of a channel-axis group). Per channel (axis "channel"), the blocks of `group` indices this write
+    completes are quantized from their 16-bit copies: the earlier indices' from the window ring, which holds them
+    (window >= group), this step's rounded.
+    16-bit and per-token sides are written with tensor indices only, so the write never waits for the device (CUDA
+    graphs can capture it); a per-channel side reads where its blocks start on the host."""
+    capacity = latent.shape[1]
+    kept = indices[-capacity:]  # a ring keeps the last `capacity` indices
+    slots = kept % capacity
     if bits == 16:
-        latent[:batch, indices[-capacity:] % capacity] = new[:, -capacity:].to(latent.dtype)
+        latent[:batch].index_copy_(1, slots, new[:, -capacity:].to(latent.dtype))
         return
     window = exact.shape[1] - sinks if exact.numel() else 0
     if axis == "token":
         codes, new_scale, new_zero = quantize.quantize(new[:, -capacity:], bits, group, axis, outliers)
-        slots = indices[-capacity:] % capacity
-        latent[:batch, slots] = codes
-        scale[:batch, slots] = new_scale
-        zero[:batch, slots] = new_zero
+        latent[:batch].index_copy_(1, slots, codes)
+        scale[:batch].index_copy_(1, slots, new_scale.to(scale.dtype))
+        zero[:batch].index_copy_(1, slots, new_zero.to(zero.dtype))
     else:
+        start, tokens = int(indices[0]), len(indices)
         first, end = start - start % group, (start + tokens) // group * group
         first = max(first, end - capacity)  # a ring keeps whole blocks: the last capacity / group of them
         if end > first:
@@ -46,11 +49,27 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
             scale[:batch, rows] = new_scale
             zero[:batch, rows] = new_zero
     if exact.numel():
-        sink = indices < sinks
-        exact[:batch, indices[sink]] = new[:, sink].to(exact.dtype)
+        if sinks:  # sink j takes this step's token j - indices[0] where there is one, else keeps what it holds
+            offset = torch.arange(sinks, device=new.device) - indices[0]
+            written = (offset >= 0) & (offset < len(indices))
+            incoming = new[:, offset.clamp(0, len(indices) - 1)].to(exact.dtype)
+            exact[:batch, :sinks] = torch.where(written[None, :, None], incoming, exact[:batch, :sinks])
         if window:
             recent = indices[-window:]
-            exact[:batch, sinks + recent % window] = new[:, -len(recent):].to(exact.dtype)
+            exact[:batch].index_copy_(1, sinks + recent % window, new[:, -len(recent):].to(exact.dtype))
+
+
+def _check_room(length, tokens, capacity):
+    """A CacheOverflowError where the context would pass the cache's `capacity` slots. On the GPU the check runs
+    there (an assertion the device raises), so the write never waits for the device."""
+    fix = "create the LatentCache with max_cache_len >= prompt length + max_new_tokens"
+    if length.device.type == "cpu":
+        if int(length) + tokens > capacity:
+            raise CacheOverflowError(f"the context needs {int(length) + tokens} cache slots but this LatentCache "
+                                     f"holds max_cache_len={capacity}; {fix}")
+        return
+    torch._assert_async(length + tokens <= capacity, f"lrkv CacheOverflowError: the context needs more cache slots "
+                                                     f"than this LatentCache holds (max_cache_len={capacity}); {fix}")
 
 
 def ring_indices(start: int, ring: int, device) -> torch.Tensor:
@@ -121,22 +140,19 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
     already written before this step.
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
-    start = int(length)
     capacity = positions.shape[1]  # a sliding-window layer's latents are a shorter ring; positions cover the context
-    if start + tokens > capacity:
-        raise CacheOverflowError(
-            f"the context needs {start + tokens} cache slots but this LatentCache holds max_cache_len={capacity}; "
-            f"create the LatentCache with max_cache_len >= prompt length + max_new_tokens"
-        )
     if batch > latent_k.shape[0]:
         raise CacheOverflowError(
             f"batch of {batch} sequences but this LatentCache holds max_batch_size={latent_k.shape[0]}; "
             "create it with a larger max_batch_size"
         )
-    _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers, batch, start)
-    _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers, batch, start)
+    length = torch.as_tensor(length, device=positions.device)
+    _check_room(length, tokens, capacity)
+    indices = length + torch.arange(tokens, device=positions.device)  # sequence indices [tokens]
+    _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers, batch, indices)
+    _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers, batch, indices)
     if new_positions is not None:
-        positions[:batch, start:start + tokens] = torch.broadcast_to(new_positions, (batch, tokens)).to(positions.dtype)
+        positions[:batch].index_copy_(1, indices, torch.broadcast_to(new_positions, (batch, tokens)).to(positions.dtype))
 
 
 def rope_tables(positions, inv_freq, rope_scale, dtype, rope_cos=None, rope_sin=None):

@@ -292,6 +292,16 @@ def _project_values(context, up_v, bias_v, blocks, dtype):
     return out.reshape(batch, kv_heads * group, 1, head_dim).to(dtype)
 
 
+def prepare(up_k: torch.Tensor, up_v: Optional[torch.Tensor], num_kv_heads: int) -> None:
+    """Build now what the launcher keeps per factor tensor (its diagonal blocks, B_v's rows per head): called when
+    a graph is compiled, so these tensors are not allocated inside a CUDA graph's memory pool (mode
+    "reduce-overhead"), where a tensor that outlives the step is an error, and reading the blocks (which
+    synchronizes) never happens in a step."""
+    diagonal_blocks(up_k, num_kv_heads)
+    if up_v is not None:
+        _per_head(up_v, num_kv_heads, diagonal_blocks(up_v, num_kv_heads))
+
+
 _PER_HEAD = WeakIdKeyDictionary()  # up_v -> (its _version, blocks, [kv_heads, range, head_dim] float32)
 
 

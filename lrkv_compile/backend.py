@@ -26,7 +26,10 @@ OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
            "value_path": "'auto' (by cost), 'absorb' (into the output projection) or 'up' (after the reduction)",
            "kernels": "'auto' (Triton kernels on CUDA where they cover the step, else the reference ops), "
                       "'reference' or 'triton'",
-           "inductor": "compile the rewritten graph with Inductor: None (default: on CUDA), True or False"}
+           "inductor": "compile the rewritten graph with Inductor: None (default: on CUDA), True or False",
+           "mode": "Inductor's mode for the rewritten graph: 'default', 'reduce-overhead' (CUDA graphs), "
+                   "'max-autotune' or 'max-autotune-no-cudagraphs'"}
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _POLICY = {"auto": "auto", "absorb": "always", "up": "never"}
 reports = []  # SiteReports of every graph compiled in this process, newest last
 graph_runs = 0  # calls of graphs this backend compiled: lrkv.compile checks that each forward made one
@@ -52,6 +55,11 @@ def resolve_options(options) -> tuple[RankPlan, str]:
         raise PlanError(f"options['kernels']={options['kernels']!r}; choose one of {IMPLEMENTATIONS}")
     if options.get("inductor") not in (None, True, False):
         raise PlanError(f"options['inductor']={options['inductor']!r}; choose None (Inductor on CUDA), True or False")
+    mode = options.get("mode", "default")
+    if mode not in MODES:
+        raise PlanError(f"options['mode']={mode!r}; choose one of {MODES}")
+    if mode != "default" and options.get("inductor") is False:
+        raise PlanError(f"options['mode']={mode!r} is a mode of Inductor, but options['inductor'] is False")
     return plan, _POLICY[policy]
 
 
@@ -63,10 +71,12 @@ def _counted(forward):
     return run
 
 
-def lrkv_backend(gm, example_inputs, options=None, **_):
+def lrkv_backend(gm, example_inputs, options=None, mode=None, **_):
     """Dynamo backend entry point (registered as 'lrkv' through the torch_dynamo_backends entry point)."""
     global _warned_stock_cache
     options = dict(options or {})
+    if mode is not None:  # torch.compile(..., mode=...) without options (it refuses both at once)
+        options.setdefault("mode", mode)
     plan, policy = resolve_options(options)
     if not torch._dynamo.config.assume_static_by_default:
         raise UnrewrittenSiteError(
@@ -87,7 +97,8 @@ def lrkv_backend(gm, example_inputs, options=None, **_):
         warnings.warn("lrkv: the model runs with a stock transformers cache, which stores full keys and values: "
                       "results follow the plan but cache memory is NOT reduced. Pass "
                       "past_key_values=lrkv.LatentCache(model, plan, ...) to store latents.", LrkvWarning, stacklevel=2)
-    return _counted(lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor")))
+    return _counted(lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor"),
+                          options.get("mode", "default")))
 
 
 class _FallbackAlarm(logging.Filter):

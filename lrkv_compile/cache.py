@@ -40,6 +40,7 @@ class LatentLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self.is_initialized = True
+        _static(self.tensors() + [self.positions, self.cumulative_length])
 
     _TENSORS = ("keys", "k_scale", "k_zero", "k_exact", "values", "v_scale", "v_zero", "v_exact")
 
@@ -54,6 +55,7 @@ class LatentLayer(CacheLayerMixin):
                 tensor = getattr(self, name)
                 if tensor.numel():
                     setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+            _static(self.tensors())
 
     def reset(self) -> None:
         super().reset()
@@ -80,6 +82,13 @@ class LatentLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.max_cache_len
+
+
+def _static(tensors) -> None:
+    """Tell Dynamo the cache's buffers keep their addresses (as transformers' StaticLayer does), so CUDA graphs
+    (mode="reduce-overhead") replay with them in place instead of copying them in."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
 
 
 def sliding_windows(config, layers: int) -> list:
@@ -195,6 +204,7 @@ class LatentCache(Cache):
         super().reorder_cache(beam_idx)
         if self.get_seq_length() > 0:
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+            _static([self.positions])
             for layer in self.layers:
                 if isinstance(layer, LatentLayer):
                     layer.positions = self.positions

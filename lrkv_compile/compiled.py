@@ -29,11 +29,12 @@ class CompiledModel:
     and lrkv's errors arrive unwrapped from Dynamo's.
     """
 
-    def __init__(self, model, plan: RankPlan, value_path: str = "auto", kernels: str = "auto", inductor=None):
+    def __init__(self, model, plan: RankPlan, value_path: str = "auto", kernels: str = "auto", inductor=None,
+                 mode: str = "default"):
         self.model, self.plan = model, plan
         self.cache = None  # the LatentCache of the last `generate` call that made one
         self._compiled = torch.compile(private_forward(model), backend="lrkv", fullgraph=True, options={
-            "plan": plan, "value_path": value_path, "kernels": kernels, "inductor": inductor})
+            "plan": plan, "value_path": value_path, "kernels": kernels, "inductor": inductor, "mode": mode})
 
     def forward(self, *args, **kwargs):
         before = backend.graph_runs
@@ -102,14 +103,15 @@ class CompiledModel:
                 del self.model.forward
 
 
-def compile(model, plan, value_path: str = "auto", kernels: str = "auto", inductor=None) -> CompiledModel:
+def compile(model, plan, value_path: str = "auto", kernels: str = "auto", inductor=None,
+            mode: str = "default") -> CompiledModel:
     """Check `plan` against `model` (lrkv's errors, raised directly), then compile the model's forward with
     the lrkv backend and fullgraph=True. `plan` is a RankPlan or the path of a saved one; the other
     arguments are the backend's options of the same names (`lrkv_compile.backend.OPTIONS`)."""
     plan, _ = backend.resolve_options({"plan": plan, "value_path": value_path, "kernels": kernels,
-                                       "inductor": inductor})
+                                       "inductor": inductor, "mode": mode})
     check(model, plan)
-    return CompiledModel(model, plan, value_path, kernels, inductor)
+    return CompiledModel(model, plan, value_path, kernels, inductor, mode)
 
 
 def cache_keyword(model) -> str:

@@ -60,3 +60,24 @@ def test_cache_of_another_plan_is_rejected():
     cache = lrkv.LatentCache(model, other, max_cache_len=16)
     with pytest.raises(Exception, match="same plan"), torch.no_grad():
         model(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(bits=4, group=8, sinks=2, window=3)], ids=["16-bit", "4-bit"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_write_never_reads_the_device(layout, tokens):
+    """16-bit and per-token latents are written with tensor indices only: on meta tensors, which have no values,
+    any host read (int(length), a boolean mask's nonzero) would raise. This is what lets CUDA graphs capture a
+    decode step's writes."""
+    from lrkv_compile.lowering import reference
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False, **layout)
+    cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16, device="meta")
+    layer, site = cache.layers[0], plan.sites[0]
+    sides = {side: dict(bits=getattr(site, f"{side}_layout").bits, group=getattr(site, f"{side}_layout").group,
+                        sinks=getattr(site, f"{side}_layout").sinks, axis=getattr(site, f"{side}_layout").axis,
+                        outliers=getattr(site, f"{side}_layout").outliers) for side in "kv"}
+    reference.latent_write(
+        *layer.tensors(), positions=layer.positions, new_k=torch.zeros(2, tokens, site.rank_k, device="meta"),
+        new_v=torch.zeros(2, tokens, site.rank_v, device="meta"),
+        new_positions=torch.zeros(1, tokens, dtype=torch.long, device="meta"), length=layer.cumulative_length,
+        **{f"{side}_{name}": value for side, fields in sides.items() for name, value in fields.items()})

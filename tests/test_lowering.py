@@ -1,4 +1,5 @@
-"""The backend's lowering stage: Inductor around the rewritten graph (the default on CUDA; forced here on CPU)."""
+"""The backend's lowering stage: Inductor around the rewritten graph (the default on CUDA; forced here on CPU, or
+chosen by an Inductor mode)."""
 import torch
 
 import lrkv_compile as lrkv
@@ -6,20 +7,23 @@ from strategies import VOCAB, build_model
 
 
 def test_inductor_compiles_the_rewritten_graph_and_changes_no_result():
-    """inductor=True: the factors the rewrite added reach AOTAutograd, the cache writes land in the real buffers
-    (the decode step reads what prefill wrote), and prefill and decode logits equal the uncompiled graph's."""
+    """inductor=True, or mode="reduce-overhead" (which means Inductor; CUDA graphs themselves need a GPU): the
+    factors the rewrite added reach AOTAutograd, the cache writes land in the real buffers (the decode step reads
+    what prefill wrote), and prefill and decode logits equal the uncompiled graph's."""
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=1, dtype=torch.float32, seed=0))
     plan = lrkv.calibrate(model, torch.randint(0, VOCAB, (2, 24)), keep=0.5, bits=4, group=8, progress=False)
     ids = torch.randint(0, VOCAB, (2, 9))
     results = {}
-    for inductor in (False, True):
+    for name, options in {"plain": dict(inductor=False), "inductor": dict(inductor=True),
+                          "reduce-overhead": dict(mode="reduce-overhead")}.items():
         cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)
-        lm = lrkv.compile(model, plan, inductor=inductor)
+        lm = lrkv.compile(model, plan, **options)
         with torch.no_grad():
             prefill = lm(input_ids=ids, past_key_values=cache, use_cache=True).logits
             decode = lm(input_ids=prefill[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
-        results[inductor] = (prefill, decode, int(cache.get_seq_length()))
-    assert results[True][2] == results[False][2] == 10
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+        results[name] = (prefill, decode, int(cache.get_seq_length()))
+    for name in ("inductor", "reduce-overhead"):
+        assert results[name][2] == results["plain"][2] == 10
+        torch.testing.assert_close(results[name][0], results["plain"][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(results[name][1], results["plain"][1], atol=1e-5, rtol=1e-5)

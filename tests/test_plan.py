@@ -120,6 +120,10 @@ def test_backend_option_errors():
         lrkv.compile(model, plan, kernels="cuda")
     with pytest.raises(lrkv.PlanError, match=r"options\['inductor'\]='yes'"):
         lrkv.compile(model, plan, inductor="yes")
+    with pytest.raises(lrkv.PlanError, match=r"options\['mode'\]='fast'; choose one of \('default', 'reduce-overhead'"):
+        lrkv.compile(model, plan, mode="fast")
+    with pytest.raises(lrkv.PlanError, match=r"'reduce-overhead' is a mode of Inductor, but options\['inductor'\] is False"):
+        lrkv.compile(model, plan, mode="reduce-overhead", inductor=False)
 
 
 def test_up_factors_have_orthonormal_rows():
