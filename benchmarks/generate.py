@@ -1,9 +1,17 @@
 """Greedy decode steps of a whole model on the GPU at hand: lrkv (its compiled graph, Triton decode kernel under
 Inductor) against transformers' StaticCache (its own SDPA path, eager and compiled with reduce-overhead) and the
 same StaticCache under an attention function that calls SDPA with enable_gqa=True (the fair baseline: the stock
-path copies K/V per query head). Random-weight Llama-3-8B-shaped model (32 layers, 32 query / 8 KV heads,
-head_dim 128, fp16); the caches are filled with random content up to the context (prefill is not timed here),
-then decode steps are timed.
+path copies K/V per query head), and transformers' QuantizedCache int4 (quanto backend, groups of 64 as `lrkv eval`
+uses, its default residual window of 128 tokens; eager, transformers' SDPA). Random-weight Llama-3-8B-shaped model
+(32 layers, 32 query / 8 KV heads, head_dim 128, fp16); the caches are filled with random content up to the context
+(prefill is not timed here), then decode steps are timed.
+
+QuantizedCache has no buffers to fill in place: random keys and values go through its own `update`, as a prompt's
+and then decoded tokens' would, so that the quantized part holds all but the last `min(64, (context - 1) // 2)`
+tokens and the full-precision residual holds those (halfway through its window, which is quantized into the rest
+whenever it fills). Every timed step sets the residual back, dequantizes the whole cache and appends one token to
+the residual; the requantization of the whole cache that the window's filling brings once every 128 steps is not
+timed.
 
     python benchmarks/generate.py [--context 16384] [--batch 16] [--layers 32] [--steps 20] [--out benchmarks/results]
     python benchmarks/generate.py --tiny      # a small model on CPU: checks the script, times nothing useful
@@ -15,7 +23,10 @@ Rows: path, batch, context, ms_per_step, tokens_per_s, cache_GiB, peak_GiB (torc
 the timed steps), compile_s (the first step's time less a timed step's, for compiled paths), kernel_calls_per_step
 (launches of the Triton decode path: one per layer when lrkv's "auto" picked it), and max_batch: the largest
 batch the device's memory would hold at this context, from the measured peak (weights and working set) and the
-cache's bytes per sequence (an estimate, not a run). Writes benchmarks/results/generate-<gpu>.json; never asserts timings.
+cache's bytes per sequence (an estimate, not a run). QuantizedCache's cache_GiB is read from the cache after a
+step: the storage of its quantized tensors (packed codes, scales, zero points) and its residual. A path that cannot
+run (QuantizedCache without optimum-quanto, say) is a row with its `error`. Writes
+benchmarks/results/generate-<gpu>.json; never asserts timings.
 """
 import argparse
 import gc
@@ -26,7 +37,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, QuantizedCache, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import lrkv_compile as lrkv
@@ -90,6 +101,37 @@ def fill_static(model, cache, batch, context):
             tensor.normal_(0, 1)
 
 
+def fill_quantized(model, cache, batch, context):
+    """Random keys and values of `context - 1` tokens through the QuantizedCache's own `update`: all but the last
+    `residual` as one prompt (which it quantizes), then those as decoded tokens (which its residual holds)."""
+    residual = min(cache.layers[0].residual_length // 2, (context - 1) // 2)
+    config = model.config
+    generator = torch.Generator(device=model.device).manual_seed(1)
+    for index in range(len(cache.layers)):
+        for length in (context - 1 - residual, residual):
+            keys, values = (torch.randn(batch, config.num_key_value_heads, length, config.head_dim,
+                                        generator=generator, device=model.device, dtype=model.dtype)
+                            for _ in range(2))
+            cache.update(keys, values, index)
+
+
+def held_bytes(tensors):
+    """Bytes of the storages under `tensors`, each counted once; quanto's quantized tensors are opened down to their
+    plain tensors (packed codes, scales, zero points)."""
+    storages = {}
+
+    def visit(tensor):
+        if hasattr(tensor, "__tensor_flatten__"):
+            for name in tensor.__tensor_flatten__()[0]:
+                visit(getattr(tensor, name))
+        else:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    for tensor in tensors:
+        visit(tensor)
+    return sum(storages.values())
+
+
 def time_steps(step, steps, device):
     """(seconds of the first call, median seconds of `steps` later calls)."""
     def timed():
@@ -109,14 +151,19 @@ def time_steps(step, steps, device):
     return first, times[len(times) // 2]
 
 
+def error_row(path, batch, context, error):
+    """A path that fails is reported with its error, and the others still run."""
+    row = dict(path=path, batch=batch, context=context, error=f"{type(error).__name__}: {error}"[:2000])
+    print(json.dumps(row))
+    return row
+
+
 def measure(path, step, cache_bytes, batch, context, steps, device, compiled, profile=False):
     kernel_calls.clear()
     try:
         first, step_s = time_steps(step, steps, device)
-    except Exception as error:  # a path that fails is reported with its error, and the others still run
-        row = dict(path=path, batch=batch, context=context, error=f"{type(error).__name__}: {error}"[:2000])
-        print(json.dumps(row))
-        return row
+    except Exception as error:
+        return error_row(path, batch, context, error)
     launches = len(kernel_calls) / (steps + 3)
     if profile:  # where a step's time goes: the device kernels of three steps, most time first
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -221,6 +268,26 @@ def main():
         if device.type == "cuda":
             torch.cuda.empty_cache()
     model.config._attn_implementation = "sdpa"
+
+    label = "QuantizedCache int4 (quanto), eager"
+    if wanted(label):
+        def step():
+            for layer, (keys, values) in zip(cache.layers, residuals):  # every step appends to the same residual
+                layer.keys, layer.values, layer.cumulative_length = keys, values, context - 1
+            with torch.no_grad():
+                model(input_ids=token, past_key_values=cache, use_cache=True, position_ids=position,
+                      cache_position=cache_position)
+        try:  # without optimum-quanto the cache cannot be built: the row says so
+            cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=64)
+            fill_quantized(model, cache, batch, context)
+            residuals = [(layer.keys, layer.values) for layer in cache.layers]
+            step()  # untimed: the cache then holds `context` tokens, as each timed step leaves it
+            cache_bytes = held_bytes(tensor for layer in cache.layers for tensor in (
+                layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+        except Exception as error:
+            rows.append(error_row(label, batch, context, error))
+        else:
+            rows.append(measure(label, step, cache_bytes, batch, context, args.steps, device, False, args.profile))
     if args.tiny or args.only:
         return  # the JSON holds whole runs on the GPU
     gpu = torch.cuda.get_device_name(device)

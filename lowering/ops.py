@@ -6,7 +6,9 @@ decode kernel (`lowering.triton_decode`) where its `implementation` argument say
 Each side's cache state is four tensors: latents (model dtype, or packed uint8 codes), fp16 scale and
 fp16 zero point (empty for 16-bit sides), and `exact` (the sink and recent-window tokens' latents in 16
 bits; empty when the layout keeps none). One `positions` buffer (int32 [max_batch, slots]) holds every
-slot's RoPE position. `lowering/quantize.py` documents the byte layout.
+slot's RoPE position, and one `rope_rows` buffer ([max_batch, slots, 2, rotary_dim], empty unless the model
+recomputes its RoPE frequencies as it runs: `lrkv_compile/rotary.py`) every slot's cos and sin rows.
+`lowering/quantize.py` documents the byte layout.
 """
 from typing import Optional
 
@@ -25,7 +27,7 @@ IMPLEMENTATIONS = ("auto", "reference", "triton")
 @torch.library.custom_op("lrkv::cache_marker", mutates_args=())
 def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor,
                  k_exact: Tensor, latent_v: Tensor, v_scale: Tensor, v_zero: Tensor, v_exact: Tensor,
-                 positions: Tensor, length: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+                 positions: Tensor, rope_rows: Tensor, length: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
     """Stands where a cache update returns full keys/values; the lrkv backend replaces it by latent ops."""
     raise UnrewrittenSiteError(
         f"layer {layer_idx}: a LatentCache holds latents, not keys and values, so the attention site must be "
@@ -37,7 +39,7 @@ def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_s
 
 @cache_marker.register_fake
 def _(key_states, value_states, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
-      length, layer_idx):
+      rope_rows, length, layer_idx):
     batch, kv_heads, _, head_dim = key_states.shape
     slots = positions.shape[1]  # the context (a sliding-window layer's latents may be a shorter ring)
     return (key_states.new_empty(batch, kv_heads, slots, head_dim),
@@ -45,20 +47,22 @@ def _(key_states, value_states, latent_k, k_scale, k_zero, k_exact, latent_v, v_
 
 
 @torch.library.custom_op("lrkv::latent_write", mutates_args=("latent_k", "k_scale", "k_zero", "k_exact", "latent_v",
-                                                             "v_scale", "v_zero", "v_exact", "positions"))
+                                                             "v_scale", "v_zero", "v_exact", "positions",
+                                                             "rope_rows"))
 def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Tensor, latent_v: Tensor,
                  v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor, new_k: Tensor, new_v: Tensor,
                  new_positions: Optional[Tensor], length: Tensor, k_bits: int, k_group: int, k_sinks: int,
                  k_axis: str, k_outliers: int, v_bits: int, v_group: int, v_sinks: int, v_axis: str,
-                 v_outliers: int) -> None:
+                 v_outliers: int, rope_rows: Tensor, new_cos: Optional[Tensor], new_sin: Optional[Tensor]) -> None:
     """Store this step's K/V latents (quantized per the layout, exact copies of sinks and window) and their
-    positions in the cache, in place."""
+    positions (or RoPE rows) in the cache, in place."""
     reference.latent_write(**locals())  # the op's own arguments, by name
 
 
 @latent_write.register_fake
 def _(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, new_positions,
-      length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
+      length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, rope_rows,
+      new_cos, new_sin):
     return None
 
 
@@ -72,7 +76,9 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      v_sinks: int, v_axis: str, v_outliers: int, k_norm_weight: Optional[Tensor] = None,
                      k_norm_offset: float = 0.0, k_norm_eps: float = 0.0, softcap: float = 0.0,
                      new_positions: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-                     rope_sin: Optional[Tensor] = None, implementation: str = "auto") -> Tensor:
+                     rope_sin: Optional[Tensor] = None, rope_rows: Optional[Tensor] = None,
+                     new_cos: Optional[Tensor] = None, new_sin: Optional[Tensor] = None,
+                     implementation: str = "auto") -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract. `implementation`
     (`IMPLEMENTATIONS`) picks the code that computes it."""
     arguments = dict(locals())  # the op's own arguments, by name
@@ -87,13 +93,17 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
             if rope_cos is not None:
                 raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from the model's cos/sin "
                                           "tables")
+            if rope_rows is not None:
+                raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from cos/sin rows stored "
+                                          "per token (a model that recomputes its RoPE frequencies as it runs)")
             if softcap:
                 raise NotImplementedError("the decode kernel does not soft-cap attention scores")
             if latent_k.shape[1] < positions.shape[1]:
                 raise NotImplementedError("the decode kernel reads a full-length cache, not a sliding-window ring")
             kernel_arguments = {name: value for name, value in arguments.items()
                                 if not name.startswith("k_norm_")
-                                and name not in ("softcap", "new_positions", "rope_cos", "rope_sin")}
+                                and name not in ("softcap", "new_positions", "rope_cos", "rope_sin", "rope_rows",
+                                                 "new_cos", "new_sin")}
             return triton_decode.decode_attention(**kernel_arguments)
         except NotImplementedError as why:
             if implementation == "triton":
@@ -108,7 +118,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
 def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
       bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
       k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, k_norm_weight=None, k_norm_offset=0.0,
-      k_norm_eps=0.0, softcap=0.0, new_positions=None, rope_cos=None, rope_sin=None, implementation="auto"):
+      k_norm_eps=0.0, softcap=0.0, new_positions=None, rope_cos=None, rope_sin=None, rope_rows=None, new_cos=None,
+      new_sin=None, implementation="auto"):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])

@@ -130,14 +130,16 @@ def read_latents(latent, scale, zero, exact, bits, group, sinks, axis, outliers,
 
 def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v,
                  new_positions, length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
-                 v_outliers) -> None:
+                 v_outliers, rope_rows=None, new_cos=None, new_sin=None) -> None:
     """Write this step's latents (quantized per side's layout, with exact sink and window copies) and their
     positions at sequence indices [length, length + tokens) (slots index % slots: a ring where the latents are
     shorter than the context, `_store`).
 
     latent_k: [max_batch, slots, rank_k] (or packed codes); new_k: [batch, tokens, rank_k]; new_positions:
-    [batch|1, tokens] integer positions (None for a model without RoPE); length: scalar tensor, slots
-    already written before this step.
+    [batch|1, tokens] integer positions (None for a model without RoPE, or one whose RoPE is stored as rows);
+    length: scalar tensor, slots already written before this step. new_cos, new_sin: this step's RoPE rows
+    [batch|1, 1, tokens, rotary_dim] (as the model multiplies keys by them), stored in rope_rows [max_batch, slots,
+    2, rotary_dim] where the model recomputes its RoPE frequencies as it runs (None: it does not).
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
     capacity = positions.shape[1]  # a sliding-window layer's latents are a shorter ring; positions cover the context
@@ -153,6 +155,15 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
     _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers, batch, indices)
     if new_positions is not None:
         positions[:batch].index_copy_(1, indices, torch.broadcast_to(new_positions, (batch, tokens)).to(positions.dtype))
+    if new_cos is not None:
+        rope_rows[:batch].index_copy_(1, indices, step_rows(new_cos, new_sin, batch, tokens).to(rope_rows.dtype))
+
+
+def step_rows(new_cos, new_sin, batch, tokens) -> torch.Tensor:
+    """cos and sin [batch|1, 1, tokens, rotary_dim] of this step's tokens as rows [batch, tokens, 2, rotary_dim]."""
+    rows = torch.stack((new_cos.reshape(new_cos.shape[0], tokens, -1), new_sin.reshape(new_sin.shape[0], tokens, -1)),
+                       dim=2)
+    return torch.broadcast_to(rows, (batch, *rows.shape[1:]))
 
 
 def rope_tables(positions, inv_freq, rope_scale, dtype, rope_cos=None, rope_sin=None):
@@ -177,11 +188,12 @@ def rms_norm(x, weight, offset, eps):
 
 
 def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, num_kv_heads, norm=None, rope_cos=None,
-                     rope_sin=None):
+                     rope_sin=None, rows=None):
     """Keys of the first slots, rebuilt from their (dequantized) latents: RoPE(norm(c_k B_k + b_k)) at each
     slot's own position, norm the per-head RMSNorm (weight, offset, eps) of q/k-norm models or None. Rotate-half
-    RoPE (`rope_tables`: from inv_freq, or the tables rope_cos / rope_sin) turns the first rotary_dim channels of
-    each head (all of them, or partial rotary); no RoPE where inv_freq and rope_cos are None.
+    RoPE (`rope_tables`: from inv_freq, or the tables rope_cos / rope_sin; or each slot's own cos/sin `rows`
+    [batch, slots, 2, rotary_dim]) turns the first rotary_dim channels of each head (all of them, or partial
+    rotary); no RoPE where inv_freq, rope_cos and rows are None.
 
     latent_k: [batch, slots, rank_k], positions: [batch, slots] -> [batch, kv_heads, slots, head_dim]
     """
@@ -193,11 +205,14 @@ def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, nu
     if norm is not None:
         keys = rms_norm(keys, *norm)
     keys = keys.transpose(1, 2)
-    if inv_freq is not None or rope_cos is not None:
+    if rows is not None:
+        cos, sin = rows[:, None, :, 0].to(keys.dtype), rows[:, None, :, 1].to(keys.dtype)
+    elif inv_freq is not None or rope_cos is not None:
         cos, sin = rope_tables(positions[:, None], inv_freq, rope_scale, keys.dtype, rope_cos, rope_sin)
-        turned, passed = keys[..., :cos.shape[-1]], keys[..., cos.shape[-1]:]
-        keys = torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
-    return keys
+    else:
+        return keys
+    turned, passed = keys[..., :cos.shape[-1]], keys[..., cos.shape[-1]:]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
 
 
 def _allowed(attn_mask, tokens, columns):
@@ -232,7 +247,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
                      v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0, softcap=0.0,
-                     new_positions=None, rope_cos=None, rope_sin=None):
+                     new_positions=None, rope_cos=None, rope_sin=None, rope_rows=None, new_cos=None, new_sin=None):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -248,8 +263,10 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     stored. Keys get the model's per-head key norm (k_norm_weight, k_norm_offset, k_norm_eps: `rms_norm`; no
     norm where k_norm_weight is None), then rotate-half RoPE at their stored positions (inv_freq [rotary_dim / 2] and
     rope_scale as the model's rotary embedding, or cos/sin read from the model's tables rope_cos / rope_sin
-    [max_positions, rotary_dim / 2]; all None: no RoPE; the rewrite puts the channels of interleaved-RoPE models in
-    rotate-half order). softcap > 0 caps the scaled scores to softcap * tanh(scores / softcap) before the mask, as
+    [max_positions, rotary_dim / 2], or each slot's own cos/sin rows `rope_rows` [max_batch, slots, 2, rotary_dim]
+    where the model recomputes its frequencies as it runs, a ring's step taking its own from new_cos / new_sin
+    (`latent_write`); all None: no RoPE; the rewrite puts the channels of interleaved-RoPE models in rotate-half
+    order). softcap > 0 caps the scaled scores to softcap * tanh(scores / softcap) before the mask, as
     Gemma 2 does.
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
@@ -271,7 +288,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                                                v_outliers, new_v, slots)
         columns = torch.arange(slots, device=query.device)
     keys, scores = None, None
-    rope = inv_freq is not None or rope_cos is not None
+    rope = inv_freq is not None or rope_cos is not None or rope_rows is not None
     if not rope and k_norm_weight is None:  # nothing between the projection and q k^T: keys stay latent
         scores = latent_scores(query, latents_k.to(query.dtype), up_k, bias_k, num_kv_heads)
     else:
@@ -279,8 +296,13 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
         key_positions = positions[:batch, columns.clamp_min(0)]
         if new_positions is not None:  # a ring's step, before its write: the cache holds the earlier positions only
             key_positions[:, -tokens:] = new_positions.to(key_positions.dtype)
+        rows = None
+        if rope_rows is not None:
+            rows = rope_rows[:batch, columns.clamp_min(0)]
+            if new_cos is not None:  # a ring's step, before its write, as with new_positions
+                rows[:, -tokens:] = step_rows(new_cos, new_sin, batch, tokens).to(rows.dtype)
         keys = reconstruct_keys(latents_k.to(query.dtype), key_positions, inv_freq, rope_scale, up_k, bias_k,
-                                num_kv_heads, norm, rope_cos, rope_sin)
+                                num_kv_heads, norm, rope_cos, rope_sin, rows)
     # rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = latent_values.to(query.dtype).float()
     rank_v, slots = latent_values.shape[-1], latent_values.shape[1]

@@ -16,10 +16,11 @@ from lrkv_compile.lowering.lower import lower
 from lrkv_compile.lowering.ops import IMPLEMENTATIONS
 from lrkv_compile.passes.canonicalize import canonicalize
 from lrkv_compile.passes.rewrite import rewrite
-from lrkv_compile.passes.sites import find_sites
+from lrkv_compile.passes.sites import find_sites, parameter_name
 from .errors import LrkvWarning, PlanError, UnrewrittenSiteError
-from .fit import check_sites, warn_left_full
+from .fit import check_sites, qualify_names, warn_left_full
 from .plan import RankPlan
+from .weights import parse
 from .trace import PRIVATE_NAME
 
 OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
@@ -32,7 +33,7 @@ OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _POLICY = {"auto": "auto", "absorb": "always", "up": "never"}
 reports = []  # SiteReports of every graph compiled in this process, newest last
-graph_runs = 0  # calls of graphs this backend compiled: lrkv.compile checks that each forward made one
+graph_runs = 0  # calls of graphs in which this backend rewrote a site: lrkv.compile checks each forward made one
 _warned_stock_cache = False
 
 
@@ -63,6 +64,14 @@ def resolve_options(options) -> tuple[RankPlan, str]:
     return plan, _POLICY[policy]
 
 
+def _fragment(gm, plan: RankPlan) -> bool:
+    """Whether `gm` is a piece of a split forward that holds no attention: it reads none of the plan's K/V weights
+    (the model's names may be relative to an inner module's frame, `fit.qualify_names`)."""
+    planned = {parse(name)[0] for site in plan.sites for name in (site.k_weight, site.v_weight)}
+    names = {parameter_name(node) for node in gm.graph.nodes if node.op == "placeholder"} - {None}
+    return not any(full == name or full.endswith("." + name) for full in planned for name in names)
+
+
 def _counted(forward):
     def run(*args):
         global graph_runs
@@ -86,8 +95,12 @@ def lrkv_backend(gm, example_inputs, options=None, mode=None, **_):
             "dimensions that change between calls, such as the sequence length")
     canonicalize(gm)
     sites, unmatched = find_sites(gm)
+    if not sites and not unmatched and _fragment(gm, plan):  # e.g. the embedding, before a graph break
+        return lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor"),
+                     options.get("mode", "default"))
     for miss in unmatched:
         warnings.warn(f"lrkv: attention at {miss.node} left untouched: {miss.reason}", LrkvWarning, stacklevel=2)
+    qualify_names(plan, sites)
     warn_left_full(check_sites(plan, sites, unmatched, whole_model=False))
     site_reports = rewrite(gm, sites, plan, example_inputs, policy)
     reports.append(site_reports)
@@ -97,8 +110,9 @@ def lrkv_backend(gm, example_inputs, options=None, mode=None, **_):
         warnings.warn("lrkv: the model runs with a stock transformers cache, which stores full keys and values: "
                       "results follow the plan but cache memory is NOT reduced. Pass "
                       "past_key_values=lrkv.LatentCache(model, plan, ...) to store latents.", LrkvWarning, stacklevel=2)
-    return _counted(lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor"),
-                          options.get("mode", "default")))
+    forward = lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor"),
+                    options.get("mode", "default"))
+    return _counted(forward) if any(r.status == "rewritten" for r in site_reports) else forward
 
 
 class _FallbackAlarm(logging.Filter):

@@ -1,5 +1,6 @@
 """LatentCache: a transformers Cache that holds K/V latents, quantized or not (and the positions of their
-tokens), for every layer the plan covers, and full keys and values for the others.
+tokens, or their RoPE rows where the model recomputes its RoPE frequencies), for every layer the plan covers, and
+full keys and values for the others.
 
 Under the lrkv backend each attention site writes [batch, tokens, rank] latents into preallocated
 buffers and attends over them directly; no full-size key or value tensor is ever stored. Its
@@ -13,34 +14,37 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Stati
 
 from lrkv_compile.lowering import ops
 from lrkv_compile.lowering.quantize import exact_dtype
-from .errors import LrkvWarning, PlanMismatchError
+from .errors import LrkvWarning, PlanMismatchError, UnrewrittenSiteError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
+from .rotary import rows_width
 from .weights import ProjectionWeights
 
 
 class LatentLayer(CacheLayerMixin):
     """One layer's latent buffers, per side (K, V): the latents (model dtype, or packed uint8 codes when
     quantized) with their fp16 scale and zero point and the exact sink and window tokens (empty when not
-    quantized), and the positions buffer all layers share; see `lowering/quantize.py` for the layout.
+    quantized), and the positions and RoPE rows buffers all layers share; see `lowering/quantize.py` for the
+    layout.
     `keys`/`values` alias the latent buffers so transformers' generic reset/reorder code works on them."""
 
     is_compileable = True
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, k_buffers, v_buffers, positions, layer_idx):
+    def __init__(self, k_buffers, v_buffers, positions, rope_rows, layer_idx):
         super().__init__()
         self.keys, self.k_scale, self.k_zero, self.k_exact = k_buffers  # [max_batch, slots, rank | width]
         self.values, self.v_scale, self.v_zero, self.v_exact = v_buffers
         self.positions = positions  # int32 [max_batch, max_cache_len], shared by all layers
+        self.rope_rows = rope_rows  # [max_batch, max_cache_len, 2, rotary_dim] cos and sin (or empty), shared
         # masks cover the whole context (column = sequence index), also where the latents are a shorter ring
         self.max_cache_len = positions.shape[1]
         self.batch_size = self.keys.shape[0]
         self.layer_idx = layer_idx
         self.cumulative_length = torch.zeros((), dtype=torch.long, device=self.keys.device)
         self.is_initialized = True
-        _static(self.tensors() + [self.positions, self.cumulative_length])
+        _static(self.tensors() + [self.positions, self.rope_rows, self.cumulative_length])
 
     _TENSORS = ("keys", "k_scale", "k_zero", "k_exact", "values", "v_scale", "v_zero", "v_exact")
 
@@ -60,7 +64,7 @@ class LatentLayer(CacheLayerMixin):
     def reset(self) -> None:
         super().reset()
         for tensor in (self.k_scale, self.k_zero, self.k_exact, self.v_scale, self.v_zero, self.v_exact,
-                       self.positions):
+                       self.positions, self.rope_rows):
             tensor.zero_()
 
     def lazy_initialization(self, key_states, value_states):
@@ -70,7 +74,8 @@ class LatentLayer(CacheLayerMixin):
         keys, values = ops.cache_marker(
             key_states=key_states, value_states=value_states, latent_k=self.keys, k_scale=self.k_scale,
             k_zero=self.k_zero, k_exact=self.k_exact, latent_v=self.values, v_scale=self.v_scale, v_zero=self.v_zero,
-            v_exact=self.v_exact, positions=self.positions, length=self.cumulative_length, layer_idx=self.layer_idx)
+            v_exact=self.v_exact, positions=self.positions, rope_rows=self.rope_rows, length=self.cumulative_length,
+            layer_idx=self.layer_idx)
         self.cumulative_length.add_(key_states.shape[-2])
         return keys, values
 
@@ -129,8 +134,9 @@ class LatentCache(Cache):
 
     nbytes() is what the buffers occupy: per latent layer and side max_batch_size x slots x the side's
     bytes per token (rank values of the model's dtype, or packed codes plus fp16 scales and zero points),
-    the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence; per
-    stock layer its full keys and values.
+    the exact sink and window tokens of quantized sides, and one int32 position per slot and sequence (plus, for
+    a model that recomputes its RoPE frequencies as it runs, `rotary.py`, the cos and sin rows of each token: 2 x
+    rotary_dim values of the model's dtype, for all layers together); per stock layer its full keys and values.
     At max_cache_len = plan.context, nbytes() / full_cache_nbytes(torch.float16) is plan.budget when the plan
     covers every layer and the model is 16-bit or every side is quantized (16-bit sides are held in the model's
     dtype).
@@ -152,6 +158,12 @@ class LatentCache(Cache):
         dtype = dtype or reference.dtype
         device = device or reference.device
         positions = torch.zeros(max_batch_size, max_cache_len, dtype=torch.int32, device=device)
+        try:
+            width = rows_width(model)
+        except NotImplementedError as why:
+            raise UnrewrittenSiteError(f"lrkv: {why}; a LatentCache cannot hold this model's keys") from None
+        rope_rows = torch.zeros(max_batch_size, max_cache_len, 2, width, dtype=dtype, device=device) if width \
+            else torch.zeros(0, dtype=dtype, device=device)
 
         def buffers(rank, layout, slots):
             latents, groups = layout.stored_widths(rank)
@@ -180,9 +192,9 @@ class LatentCache(Cache):
                 continue
             slots = min(max_cache_len, ring_slots(windows[index], site)) if windows[index] else max_cache_len
             layers.append(LatentLayer(buffers(site.rank_k, site.k_layout, slots),
-                                      buffers(site.rank_v, site.v_layout, slots), positions, index))
+                                      buffers(site.rank_v, site.v_layout, slots), positions, rope_rows, index))
         super().__init__(layers=layers)
-        self.plan, self.dtype, self.positions = plan, dtype, positions
+        self.plan, self.dtype, self.positions, self.rope_rows = plan, dtype, positions, rope_rows
         self._capacity = (max_batch_size, max_cache_len)
         ratio = self.nbytes() / self.full_cache_nbytes()
         if ratio >= 1:
@@ -200,20 +212,22 @@ class LatentCache(Cache):
         return self._capacity[1]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: every layer's buffers, then the positions all latent layers share (once)."""
+        """Beam search: every layer's buffers, then the positions and RoPE rows all latent layers share (once)."""
         super().reorder_cache(beam_idx)
         if self.get_seq_length() > 0:
             self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
-            _static([self.positions])
+            if self.rope_rows.numel():
+                self.rope_rows = self.rope_rows.index_select(0, beam_idx.to(self.rope_rows.device))
+            _static([self.positions, self.rope_rows])
             for layer in self.layers:
                 if isinstance(layer, LatentLayer):
-                    layer.positions = self.positions
+                    layer.positions, layer.rope_rows = self.positions, self.rope_rows
 
     def nbytes(self) -> int:
         """Bytes held by the cache's buffers (its capacity)."""
         tensors = [t for layer in self.layers
                    for t in (layer.tensors() if isinstance(layer, LatentLayer) else (layer.keys, layer.values))]
-        return sum(t.numel() * t.element_size() for t in tensors + [self.positions])
+        return sum(t.numel() * t.element_size() for t in tensors + [self.positions, self.rope_rows])
 
     def full_cache_nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes a full (uncompressed) K/V cache of the same capacity would hold, in `dtype` (default: the

@@ -14,6 +14,7 @@ from .cache import LatentCache
 from .errors import LrkvError, UnrewrittenSiteError
 from .fit import check
 from .plan import RankPlan
+from .rotary import breaks_graph
 from .trace import private_forward
 
 CACHE_ROUNDING = 256  # cache capacities are rounded up to this, so varied lengths reuse compiled graphs
@@ -33,7 +34,10 @@ class CompiledModel:
                  mode: str = "default"):
         self.model, self.plan = model, plan
         self.cache = None  # the LatentCache of the last `generate` call that made one
-        self._compiled = torch.compile(private_forward(model), backend="lrkv", fullgraph=True, options={
+        # one graph, so nothing of the model runs uncompiled; a dynamic-NTK RoPE splits it (`rotary.py`): its
+        # decoder layers are a graph of their own, and every call checks that it ran (`forward`)
+        self._compiled = torch.compile(private_forward(model), backend="lrkv", fullgraph=not breaks_graph(model),
+                                       options={
             "plan": plan, "value_path": value_path, "kernels": kernels, "inductor": inductor, "mode": mode})
 
     def forward(self, *args, **kwargs):
@@ -58,7 +62,7 @@ class CompiledModel:
                 "for a fresh budget") from error
         if backend.graph_runs == before:
             raise UnrewrittenSiteError(
-                "the model's forward ran without the lrkv graph (Dynamo ran it eagerly: "
+                "the model's forward ran without the lrkv graph of its attention (Dynamo ran it eagerly: "
                 "torch.compiler.set_stance('force_eager') or a torch.compiler.disable region), "
                 "so the answer would be the uncompressed model's")
         return out

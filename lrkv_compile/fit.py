@@ -94,6 +94,23 @@ def check_sites(plan: RankPlan, sites, unmatched, whole_model: bool = True) -> l
     return [site for site in sites if plan.site_for(site.k_weight) is None]
 
 
+def qualify_names(plan: RankPlan, sites) -> None:
+    """Give sites the plan's names of their weights where the graph names them from an inner module: after a graph
+    break, Dynamo traces the rest of an inner forward (a dynamic-NTK RoPE: `rotary.py`) in a frame whose `self` is
+    the inner model, so its parameters read layers.0.self_attn.k_proj.weight where the plan has
+    model.layers.0.self_attn.k_proj.weight. A site takes the planned name that ends with its own, when exactly one
+    does."""
+    planned = [site.k_weight for site in plan.sites]
+    for site in sites:
+        found = [name for name in planned if name.endswith("." + site.k_weight)]
+        if site.k_weight in planned or len(found) != 1:
+            continue
+        prefix = found[0][:-len(site.k_weight)]
+        site.k_weight, site.v_weight = prefix + site.k_weight, prefix + site.v_weight
+        site.k_bias = site.k_bias and prefix + site.k_bias
+        site.v_bias = site.v_bias and prefix + site.v_bias
+
+
 def warn_left_full(left_full) -> None:
     if left_full:
         warnings.warn(f"lrkv: layers {[site.layer for site in left_full]} are not in the plan and stay full "

@@ -39,6 +39,9 @@ ROPE_SCALING = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},  # 512 / 128 = factor
+    # recomputed per call: the forward splits into graphs, a LatentCache stores cos/sin rows (lrkv_compile/rotary.py);
+    # within the original 512 positions the frequencies stay those of a step decode and of one full forward alike
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
 }
 ROPE_SCALED = ("llama", "mistral", "qwen2", "qwen3")  # families whose config takes rope_parameters as Llama's
 SLIDING = {"mistral", "mixtral", "gemma2", "gemma3"}

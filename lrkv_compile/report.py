@@ -4,6 +4,7 @@ from rich.table import Table
 
 from lrkv_compile.passes.rewrite import choose_value_path
 from .fit import check_parameters, check_sites, trace_sites, warn_left_full
+from .rotary import recomputes
 
 
 def _rope(site) -> str:
@@ -15,8 +16,12 @@ def _rope(site) -> str:
     return f"partial {rope} ({site.rope.rotary_dim} of {site.head_dim})"
 
 
-def _key_chain(site) -> str:
-    return ", ".join((["q/k norm"] if site.key.norm is not None else []) + [_rope(site)])
+def _key_chain(site, recomputed: bool) -> str:
+    """The site's key chain; `recomputed`: the model recomputes its RoPE frequencies as it runs, so a LatentCache
+    stores each token's cos/sin rows (`rotary.py`)."""
+    rope = _rope(site) + (" (frequencies recomputed per call: cos/sin stored per token)"
+                          if recomputed and site.rope is not None else "")
+    return ", ".join((["q/k norm"] if site.key.norm is not None else []) + [rope])
 
 
 def explain(model, plan=None, show=True) -> list[dict]:
@@ -30,10 +35,11 @@ def explain(model, plan=None, show=True) -> list[dict]:
     if plan is not None:
         check_parameters(plan, model)
     sites, unmatched = trace_sites(model, plan)
+    recomputed = any(recomputes(module) for module in model.modules())
     rows = []
     for site in sites:
         full_bytes = 2 * 2 * site.num_kv_heads * site.head_dim
-        row = {"layer": site.layer, "status": "matched", "k_weight": site.k_weight, "key chain": _key_chain(site),
+        row = {"layer": site.layer, "status": "matched", "k_weight": site.k_weight, "key chain": _key_chain(site, recomputed),
                "heads": f"{site.num_heads}/{site.num_kv_heads}", "head_dim": site.head_dim,
                "bias": site.k_bias is not None, "bytes/token": f"{full_bytes} (full)"}
         planned = plan.site_for(site.k_weight) if plan is not None else None

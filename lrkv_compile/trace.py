@@ -14,6 +14,7 @@ from torch._dynamo.exc import Unsupported, UserError
 
 from lrkv_compile.passes.canonicalize import canonicalize
 from .errors import UnrewrittenSiteError
+from .rotary import one_graph
 
 PRIVATE_NAME = "lrkv_private_forward"  # the code name Dynamo's messages show for these copies
 
@@ -32,14 +33,9 @@ def private_forward(model):
 
 
 def _untraceable(model, error) -> str:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    hint = ("; its RoPE scaling is 'dynamic', whose frequencies are recomputed in Python from the sequence length: "
-            "use 'linear', 'llama3' or 'yarn' scaling, or the model unscaled"
-            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic" else "")
     reason = str(error).strip().splitlines()[0]
     return (f"Dynamo cannot capture {type(model).__name__}.forward as one graph ({reason}), so lrkv cannot find or "
-            f"rewrite its attention{hint}")
+            f"rewrite its attention")
 
 
 class _Captured(Exception):
@@ -49,7 +45,7 @@ class _Captured(Exception):
 def capture(model, input_ids: torch.Tensor, past_key_values=None):
     """Trace `model.forward(input_ids=...)` with Dynamo, through `past_key_values` if given (else with
     use_cache=False), and canonicalize it; the graph is captured, never run, and no compiled state outlives the
-    call.
+    call. A dynamic-NTK rotary embedding is traced with its frequencies set for this call (`rotary.one_graph`).
 
     Returns (graph module, example inputs, index of input_ids among them, name_of) where name_of maps a
     placeholder to its parameter name.
@@ -66,8 +62,10 @@ def capture(model, input_ids: torch.Tensor, past_key_values=None):
     compiled = torch.compile(private_forward(model), backend=keep_graph, fullgraph=True, dynamic=False)
     cache_kwargs = {"past_key_values": past_key_values, "use_cache": True} if past_key_values is not None \
         else {"use_cache": False}
+    start = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+    positions = torch.arange(start, start + input_ids.shape[1])[None]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), one_graph(model, positions):
             compiled(input_ids=input_ids, **cache_kwargs)
     except _Captured:
         pass

@@ -103,9 +103,9 @@ def build(name: str, layers: int = 2, hidden: int | None = None, heads: int = 4,
     if not family.head_dim and hidden is not None and hidden != heads * head_dim:
         raise ValueError(f"{name}: head_dim is hidden / heads")
     hidden = hidden or heads * head_dim
-    config = getattr(transformers, family.config)(
-        vocab_size=VOCAB, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        **{**family.dims(layers, hidden, heads, kv_heads, head_dim), **family.extra, **overrides})
+    config = getattr(transformers, family.config)(**{
+        "vocab_size": VOCAB, "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        **family.dims(layers, hidden, heads, kv_heads, head_dim), **family.extra, **overrides})
     config._attn_implementation = attention or family.attention
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

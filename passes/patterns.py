@@ -362,13 +362,21 @@ class RopeSource:
     cos(positions * inv_freq) as transformers' rotary embeddings do (default, linear, llama3, yarn... all change only
     inv_freq and the scale), or read, the rows of the model's own table at the positions (`table` [max_positions,
     width] with cos in columns `cos_columns` and sin in `sin_columns`: GPT-J's embed_positions). A LatentCache stores
-    positions and rebuilds cos/sin from them."""
-    positions: Node                  # integer [batch|1, tokens]
-    inv_freq: Optional[Node]         # float [rotary_dim / 2]; None where cos/sin are read from `table`
+    positions and rebuilds cos/sin from them. Where the frequencies change while the model runs (`rows`: cos/sin
+    are inputs of the graph, computed before a graph break, or come from an inv_freq the graph itself overwrites;
+    see `lrkv_compile/rotary.py`), positions are not enough: a LatentCache stores each token's cos/sin rows."""
+    positions: Optional[Node]        # integer [batch|1, tokens]; None for `rows`
+    inv_freq: Optional[Node]         # float [rotary_dim / 2]; None where cos/sin are read from `table` or are `rows`
     scale: float
     table: Optional[Node] = None     # float [max_positions, width]
     cos_columns: tuple = ()          # (start, stop) of rotary_dim / 2 columns of the table
     sin_columns: tuple = ()
+    rows: bool = False               # the site's own cos/sin are what a LatentCache stores per token
+
+
+def _updated_in_graph(node: Node) -> bool:
+    """Whether the graph writes `node` in place (transformers' longrope copies its new frequencies into inv_freq)."""
+    return any(is_method(user, {"copy_"}) and user.args[0] is node for user in node.users)
 
 
 _PASS_THROUGH = {"float", "to", "unsqueeze", "expand", "contiguous", "type_as"}
@@ -485,7 +493,12 @@ def _trace_table(node, function: str, interleaved: bool):
 
 def match_rope_source(cos: Node, sin: Node, interleaved: bool = False):
     """RopeSource of a site's cos/sin operands (each frequency doubled as the `interleaved` or rotate-half form of
-    RoPE pairs channels), or the reason they are neither position * inv_freq tables nor a table's rows."""
+    RoPE pairs channels), or the reason they are neither position * inv_freq tables nor a table's rows nor inputs of
+    the graph."""
+    if all(_strip(node).op == "placeholder" for node in (cos, sin)):
+        if interleaved:
+            return "interleaved RoPE's cos/sin are inputs of the graph"
+        return RopeSource(positions=None, inv_freq=None, scale=1.0, rows=True)
     traced = [_trace_table(node, function, interleaved) for node, function in ((cos, "cos"), (sin, "sin"))]
     for found in traced:
         if isinstance(found, str):
@@ -512,6 +525,10 @@ def match_rope_source(cos: Node, sin: Node, interleaved: bool = False):
     inv_shape = shape_of(inv_freq)
     if not _is_positions(positions) or not inv_shape or len(inv_shape) != 1:
         return "RoPE angles are not integer positions [batch, tokens] times a 1-D inv_freq"
+    if _updated_in_graph(inv_freq):
+        if interleaved:
+            return "interleaved RoPE's frequencies are overwritten inside the graph"
+        return RopeSource(positions=None, inv_freq=None, scale=1.0, rows=True)
     return RopeSource(positions=positions, inv_freq=inv_freq, scale=scale)
 
 

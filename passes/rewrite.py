@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from lrkv_compile.errors import PlanMismatchError
+from lrkv_compile.errors import PlanMismatchError, UnrewrittenSiteError
 from lrkv_compile.weights import row_index
 from .patterns import LINEAR_TARGETS, MATMUL_TARGETS, is_function, is_method, shape_of
 
@@ -132,8 +132,8 @@ class _Rewriter:
 
     def rope(self, source) -> dict:
         """latent_attention's RoPE arguments from a site's RopeSource (None: no RoPE): inv_freq and the scale, or the
-        columns of the model's table that hold cos and sin."""
-        if source is None:
+        columns of the model's table that hold cos and sin (cos/sin rows stored per token: `latent` passes them)."""
+        if source is None or source.rows:
             return {"inv_freq": None, "rope_scale": 1.0}
         arguments = {"inv_freq": source.inv_freq, "rope_scale": source.scale}
         if source.table is not None:
@@ -165,6 +165,15 @@ class _Rewriter:
                                         "compiled with")
         state = {name: cache[name] for name in ("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale",
                                                 "v_zero", "v_exact", "positions", "length")}
+        rows = site.rope_source is not None and site.rope_source.rows
+        if rows:
+            held = cache["rope_rows"].meta["example_value"]
+            if held.dim() != 4 or held.shape[-1] != site.rope.rotary_dim:
+                raise UnrewrittenSiteError(
+                    f"layer {layer_idx}: its RoPE frequencies change as the model runs (cos/sin computed outside this "
+                    f"graph, or overwritten in it), so a LatentCache stores each token's {site.rope.rotary_dim} cos "
+                    f"and sin values, and this one holds rows of shape {tuple(held.shape)}; build the LatentCache "
+                    "for this model: lrkv.LatentCache(model, plan, ...)")
         for side, layout in (("k", planned.k_layout), ("v", planned.v_layout)):
             state.update({f"{side}_bits": layout.bits, f"{side}_group": layout.group, f"{side}_sinks": layout.sinks,
                           f"{side}_axis": layout.axis, f"{side}_outliers": layout.outliers})
@@ -177,7 +186,10 @@ class _Rewriter:
             down_v = self.constant(f"{name}_down_v", planned.down_v.T, weight)
             new = {"new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
                    "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))}
-            write = {**state, **new, "new_positions": site.rope_source.positions if site.rope_source else None}
+            step_rows = {"new_cos": site.rope.cos, "new_sin": site.rope.sin} if rows else {"new_cos": None,
+                                                                                         "new_sin": None}
+            write = {**state, **new, "new_positions": site.rope_source.positions if site.rope_source else None,
+                     "rope_rows": cache["rope_rows"], **step_rows}
             if not ring:
                 self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs=write)
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
@@ -192,7 +204,8 @@ class _Rewriter:
                 "bias_v": None if absorb else self.bias(site.value, f"{name}_bias_v"), "attn_mask": site.attn_mask,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
                 "softcap": site.softcap, "new_positions": write["new_positions"] if ring else None,
-                "num_kv_heads": site.num_kv_heads})
+                "num_kv_heads": site.num_kv_heads,
+                **({"rope_rows": cache["rope_rows"], **(step_rows if ring else {})} if rows else {})})
         if ring:  # after the cache's length moved past this step: the write starts at length - tokens
             with self.graph.inserting_after(attention):
                 tokens = self.graph.call_method("size", (new["new_k"], 1))

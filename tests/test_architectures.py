@@ -28,6 +28,20 @@ def greedy(generate, ids, mask):
     return out.sequences, torch.stack(out.logits, 1)
 
 
+def generates_as_the_original(model, plan):
+    """Greedy generation through lrkv.compile and a LatentCache gives the original model's tokens and logits on
+    the left-padded prompt; returns the compiled model (its `cache` holds the run's LatentCache)."""
+    ids, mask = left_padded_prompt()
+    with warnings.catch_warnings():  # a full-rank LatentCache saves no memory, and says so
+        warnings.simplefilter("ignore", lrkv.LrkvWarning)
+        compiled = lrkv.compile(model, plan)
+        sequences, step_logits = greedy(compiled.generate, ids, mask)
+    stock_sequences, stock_logits = greedy(model.generate, ids, mask)
+    assert torch.equal(sequences, stock_sequences)
+    torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
+    return compiled
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_full_rank_plan_is_the_original_model(family):
     model = zoo.build(family, layers=3)
@@ -40,13 +54,7 @@ def test_a_full_rank_plan_is_the_original_model(family):
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
     torch._dynamo.reset()
 
-    with warnings.catch_warnings():  # a full-rank LatentCache saves no memory, and says so
-        warnings.simplefilter("ignore", lrkv.LrkvWarning)
-        compiled = lrkv.compile(model, plan)
-        sequences, step_logits = greedy(compiled.generate, ids, mask)
-    stock_sequences, stock_logits = greedy(model.generate, ids, mask)
-    assert torch.equal(sequences, stock_sequences)
-    torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
+    compiled = generates_as_the_original(model, plan)
     assert all(type(layer).__name__ == "LatentLayer" for layer in compiled.cache.layers)
 
 
@@ -89,21 +97,70 @@ def test_rope_scaling_variants_and_eager_attention_are_rewritten_exactly(variant
     else:
         model = zoo.build("llama", layers=2, rope_parameters={**ROPE_SCALING[variant], "rope_theta": 10000.0})
         assert model.model.rotary_emb.rope_type == variant
+    generates_as_the_original(model, lrkv.RankPlan.uniform(model, keep=1.0, progress=False))
+
+
+def test_dynamic_ntk_rope_is_rewritten_with_each_tokens_rows():
+    """Dynamic NTK scaling recomputes its frequencies from the longest position of each call (deciding in Python,
+    so Dynamo splits the forward and the decoder layers get cos/sin as graph inputs) and a stock cache keeps each
+    key rotated with its own step's frequencies: a LatentCache stores each token's cos/sin rows. Generation runs
+    past the original length (8), where the frequencies change, as the original model."""
+    def build(rope_type):
+        model = zoo.build("llama", layers=2, max_position_embeddings=8,
+                          rope_parameters={"rope_type": rope_type, "factor": 2.0, "rope_theta": 1e4})
+        with torch.no_grad():  # sharp attention, weighed heavily: logits that tell RoPE frequencies apart
+            for layer in model.model.layers:
+                for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    projection.weight.mul_(16)
+                layer.self_attn.o_proj.weight.mul_(30)
+        return model
+    model = build("dynamic")
     plan = lrkv.RankPlan.uniform(model, keep=1.0, progress=False)
+    assert [row["key chain"] for row in lrkv.explain(model, plan, show=False)] == [
+        "RoPE (frequencies recomputed per call: cos/sin stored per token)"] * 2
     ids, mask = left_padded_prompt()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", lrkv.LrkvWarning)
-        sequences, step_logits = greedy(lrkv.compile(model, plan).generate, ids, mask)
-    stock_sequences, stock_logits = greedy(model.generate, ids, mask)
-    assert torch.equal(sequences, stock_sequences)
-    torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+    torch.testing.assert_close(forward(input_ids=ids, attention_mask=mask, use_cache=False).logits, expected,
+                               **TOLERANCE[torch.float32])
+    torch._dynamo.reset()
+
+    compiled = generates_as_the_original(model, plan)
+    stock_logits = greedy(model.generate, ids, mask)[1]
+    _, unscaled_logits = greedy(build("default").generate, ids, mask)  # the same weights: the scaling took effect
+    assert (stock_logits[:, -1] - unscaled_logits[:, -1]).abs().max() > 10 * TOLERANCE[torch.float32]["atol"]
+    rows = compiled.cache.rope_rows  # [batch, slots, cos | sin, rotary_dim], one per token for all layers
+    assert rows.shape == (2, 256, 2, 16) and rows.dtype == torch.float32
+    # row 1 (no padding) holds position p in slot p: the prompt's and the first step's rows (positions < 8) turn at
+    # the original frequencies; the later steps' at the frequencies grown for their own length, each its own
+    original = model.model.rotary_emb.original_inv_freq
+    for slot, length in ((0, 8), (7, 8), (8, 9), (9, 10)):
+        grown = original if length <= 8 else original * (2.0 * length / 8 - 1) ** (-torch.arange(8) / 7)
+        torch.testing.assert_close(rows[1, slot, 0, :8], torch.cos(slot * grown))
+    assert compiled.cache.nbytes() - compiled.cache.positions.nbytes - rows.nbytes == sum(
+        t.nbytes for layer in compiled.cache.layers for t in layer.tensors())
+
+    budget = lrkv.calibrate(model, torch.randint(3, zoo.VOCAB, (2, 24), generator=torch.Generator().manual_seed(1)),
+                            budget=0.25, method="uniform", progress=False)
+    assert budget.budget <= 0.25
+    sequences = lrkv.compile(model, budget).generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                                     pad_token_id=0)
+    assert sequences.shape == (2, 11)
 
 
-def test_dynamic_rope_scaling_is_a_clear_error():
-    """Dynamic NTK scaling recomputes its frequencies in Python from the sequence length: no single graph."""
-    model = zoo.build("llama", layers=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    with pytest.raises(lrkv.UnrewrittenSiteError, match="RoPE scaling is 'dynamic'.*use 'linear', 'llama3' or 'yarn'"):
-        lrkv.explain(model, show=False)
+def test_longrope_is_rewritten_with_each_tokens_rows():
+    """Phi-3's longrope switches from its short to its long factors once a call passes the original length (8),
+    overwriting inv_freq inside the graph: a LatentCache stores each token's cos/sin rows, and generation past the
+    switch gives the original model's tokens and logits."""
+    model = zoo.build("phi3", layers=2, max_position_embeddings=32, original_max_position_embeddings=8,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                       "long_factor": [float(i + 2) for i in range(8)],
+                                       "original_max_position_embeddings": 8})
+    compiled = generates_as_the_original(model, lrkv.RankPlan.uniform(model, keep=1.0, progress=False))
+    rows = compiled.cache.rope_rows
+    assert rows.shape == (2, 256, 2, 16)
+    assert not torch.allclose(rows[1, 9, 0], torch.cos(9 * model.model.rotary_emb.original_inv_freq).repeat(2))
 
 
 def test_sites_without_rope_score_in_latent_space(monkeypatch):

@@ -15,9 +15,14 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [row["path"] for row in rows] == ["lrkv budget 0.2", "lrkv keep 0.5",
                                              "StaticCache (transformers' SDPA), eager",
-                                             "StaticCache + SDPA enable_gqa, eager"]
-    lrkv_cache, full_cache = rows[0]["cache_GiB"], rows[2]["cache_GiB"]
+                                             "StaticCache + SDPA enable_gqa, eager",
+                                             "QuantizedCache int4 (quanto), eager"]
+    lrkv_cache, full_cache, quantized_cache = rows[0]["cache_GiB"], rows[2]["cache_GiB"], rows[4]["cache_GiB"]
     # the budget plan's cache against the tiny fp32 model's full one: half its fraction of a 16-bit cache (0.26
     # at 64 tokens, where its 4 exact sink tokens weigh more than at 16K)
     assert 0.12 < lrkv_cache / full_cache < 0.135
+    # QuantizedCache's bytes as read from the cache after a step at 64 tokens: 32 quantized (4 bits, an fp32 scale
+    # and zero point per 64 values: 0.156 of fp32) and 32 in its fp32 residual, 0.578 of the full cache in all.
+    # Leaving out the residual would read 0.08, the scales and zero points 0.56; counting a dequantized copy, 1 or more.
+    assert 0.57 < quantized_cache / full_cache < 0.585
     assert all(row["tokens_per_s"] > 0 for row in rows)
