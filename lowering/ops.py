@@ -1,7 +1,8 @@
 """The custom ops the rewritten graph calls. Each has a schema (its Python signature, declared once here
 and called by keyword everywhere), a fake (shape) implementation for tracing, and an implementation;
 the PyTorch reference in `lowering.reference` computes each one, and `latent_attention` runs on the Triton
-decode kernel (`lowering.triton_decode`) where its `implementation` argument says so.
+decode kernel (`lowering.triton_decode`, one new token) or prefill kernel (`lowering.triton_prefill`, several)
+where its `implementation` argument says so.
 
 Each side's cache state is four tensors: latents (model dtype, or packed uint8 codes), fp16 scale and
 fp16 zero point (empty for 16-bit sides), and `exact` (the sink and recent-window tokens' latents in 16
@@ -84,7 +85,7 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
     arguments = dict(locals())  # the op's own arguments, by name
     del arguments["implementation"]
     if implementation == "triton" or implementation == "auto" and query.is_cuda:
-        from . import triton_decode  # needs triton, which CPU-only installs may lack
+        from . import triton_decode, triton_prefill  # need triton, which CPU-only installs may lack
         try:
             if k_norm_weight is not None:
                 raise NotImplementedError("the decode kernel does not apply a per-head key norm (q/k norm models)")
@@ -104,7 +105,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                                 if not name.startswith("k_norm_")
                                 and name not in ("softcap", "new_positions", "rope_cos", "rope_sin", "rope_rows",
                                                  "new_cos", "new_sin")}
-            return triton_decode.decode_attention(**kernel_arguments)
+            kernel = triton_decode.decode_attention if query.shape[2] == 1 else triton_prefill.prefill_attention
+            return kernel(**kernel_arguments)
         except NotImplementedError as why:
             if implementation == "triton":
                 raise KernelUnavailableError(f"lrkv kernels='triton': {why}; use kernels='auto' to run the "
