@@ -80,7 +80,8 @@ def build(shape, plan, batch, context, device):
             end = min(context, begin + 2048)
             new = {side: torch.randn(batch, end - begin, rank, dtype=torch.float16, device=device)
                    for side, rank in (("k", rank_k), ("v", rank_v))}
-            reference.latent_write(*sides["k"], *sides["v"], positions, new["k"], new["v"], positions[:, begin:end],
+            reference.latent_write(*sides["k"], *sides["v"], positions, new["k"], new["v"],
+                                   positions[:, begin:end].clone(),
                                    torch.tensor(begin), **layout)
         new_k, new_v = new["k"][:, -1:], new["v"][:, -1:]
     else:

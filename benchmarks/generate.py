@@ -26,7 +26,8 @@ batch the device's memory would hold at this context, from the measured peak (we
 cache's bytes per sequence (an estimate, not a run). QuantizedCache's cache_GiB is read from the cache after a
 step: the storage of its quantized tensors (packed codes, scales, zero points) and its residual. A path that cannot
 run (QuantizedCache without optimum-quanto, say) is a row with its `error`. Writes
-benchmarks/results/generate-<gpu>.json; never asserts timings.
+benchmarks/results/generate-<gpu>.json after each row (--only replaces those paths' rows and keeps the others);
+never asserts timings.
 """
 import argparse
 import gc
@@ -185,6 +186,28 @@ def measure(path, step, cache_bytes, batch, context, steps, device, compiled, pr
     return row
 
 
+class Rows(list):
+    """The run's rows, written to benchmarks/results/generate-<gpu>.json after each one (a run cut short keeps
+    what it measured). With --only, the file's rows of the other paths stay, from the run that wrote them."""
+
+    def __init__(self, out, device, layers, wanted):
+        super().__init__()
+        self.path, self.kept = None, []
+        if out is None:
+            return
+        gpu = torch.cuda.get_device_name(device)
+        self.path = out / f"generate-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+        self.header = dict(gpu=gpu, torch=torch.__version__, layers=layers)
+        if self.path.exists():
+            self.kept = [row for row in json.loads(self.path.read_text())["rows"] if not wanted(row["path"])]
+
+    def append(self, row):
+        super().append(row)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(dict(self.header, rows=self.kept + list(self)), indent=1))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=16384)
@@ -203,10 +226,10 @@ def main():
     model = build_model(TINY if args.tiny else LLAMA3_8B, args.layers, device, dtype)
     batch, context = args.batch, args.context
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    rows = []
-
     def wanted(path):
         return args.only is None or args.only in path
+
+    rows = Rows(None if args.tiny else pathlib.Path(args.out), device, args.layers, wanted)
 
     # Random weights have no low-rank structure for a search to find, so the plans are set by hand, head-wise,
     # plain SVD: "budget 0.2" spends about a fifth of the 16-bit cache's bytes as a calibrated plan does (keys at
@@ -288,15 +311,8 @@ def main():
             rows.append(error_row(label, batch, context, error))
         else:
             rows.append(measure(label, step, cache_bytes, batch, context, args.steps, device, False, args.profile))
-    if args.tiny or args.only:
-        return  # the JSON holds whole runs on the GPU
-    gpu = torch.cuda.get_device_name(device)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"generate-{slug}.json"
-    path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, layers=args.layers, rows=rows), indent=1))
-    print(f"wrote {path}")
+    if rows.path is not None:
+        print(f"wrote {rows.path}")
 
 
 if __name__ == "__main__":

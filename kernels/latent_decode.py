@@ -95,7 +95,8 @@ def _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND: tl.con
 
 
 @triton.jit
-def _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb, inv_freq, b, h, last, k_lo,
+def _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb, inv_freq_ptr, b, h, last,
+                 k_lo,
                  HEAD_DIM: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr, FAST_MATH: tl.constexpr):
     """This step's key halves [HALF] (fp32), from its exact latent: RoPE(c U + b) at its own position."""
@@ -115,9 +116,47 @@ def _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, po
         key1 += tl.load(bias_k_ptr + col).to(tl.float32)
         key2 += tl.load(bias_k_ptr + col + HALF).to(tl.float32)
     if HAS_ROPE:
+        inv_freq = tl.load(inv_freq_ptr + d).to(tl.float32)
         cos, sin = _trig(_reduce_angle(tl.load(pos_ptr + b * pos_sb + last).to(tl.float32) * inv_freq), FAST_MATH)
         key1, key2 = key1 * cos - key2 * sin, key2 * cos + key1 * sin
     return key1, key2
+
+
+@triton.jit
+def _queries(query_ptr, q_sb, q_sh, b, h, GROUP_HEADS: tl.constexpr, G_PAD: tl.constexpr, HALF: tl.constexpr):
+    """The KV head's query heads as columns: halves [HALF, G_PAD] in fp32 (zero columns past GROUP_HEADS). Loaded
+    where they are used rather than held across the loop over tiles, whose registers are scarce."""
+    g = tl.arange(0, G_PAD)
+    q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g)[None, :] * q_sh + tl.arange(0, HALF)[:, None]
+    q1 = tl.load(q_at, mask=(g < GROUP_HEADS)[None, :], other=0.0).to(tl.float32)
+    q2 = tl.load(q_at + HALF, mask=(g < GROUP_HEADS)[None, :], other=0.0).to(tl.float32)
+    return q1, q2
+
+
+@triton.jit
+def _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS: tl.constexpr,
+                    G_PAD: tl.constexpr, HALF: tl.constexpr, HAS_ROPE: tl.constexpr, FAST_MATH: tl.constexpr):
+    """The query columns turned by R(-start) (as they are without RoPE), fp32 [HALF, G_PAD] halves."""
+    q1, q2 = _queries(query_ptr, q_sb, q_sh, b, h, GROUP_HEADS, G_PAD, HALF)
+    if HAS_ROPE:
+        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32)
+        cos_q, sin_q = _trig(_reduce_angle(start.to(tl.float32) * inv_freq), FAST_MATH)
+        q1, q2 = q1 * cos_q[:, None] + q2 * sin_q[:, None], q2 * cos_q[:, None] - q1 * sin_q[:, None]
+    return q1, q2
+
+
+@triton.jit
+def _consecutive(pos_row, lo, hi, CHECK: tl.constexpr):
+    """(every slot s of [lo, hi) holds position first + s - lo, first): one pass over the positions, so the tiles
+    need neither their positions nor a check of them."""
+    first = tl.load(pos_row + lo, mask=lo < hi, other=0)
+    bad = tl.zeros([CHECK], tl.int32)
+    for s0 in range(lo, hi, CHECK):
+        slots = s0 + tl.arange(0, CHECK)
+        inside = slots < hi
+        found = tl.load(pos_row + slots, mask=inside, other=0)
+        bad = tl.maximum(bad, tl.where(inside & (found != first + (slots - lo)), 1, 0))
+    return tl.max(bad, 0) == 0, first
 
 
 @triton.jit
@@ -133,8 +172,8 @@ def _softmax_step(m_i, sums, scores, FAST_MATH: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(m_i, sums, acc, t0, pos, start, cached_hi, length, b, q1, q2, q1r, q2r, cos_delta, sin_delta,
-                 inv_freq, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, q1r, q2r, cos_delta, sin_delta,
+                 inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
                  k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                  k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col,
                  bias1, bias2,
@@ -152,8 +191,9 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, cached_hi, length, b, q1, q2, q
                  KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
     """One tile of slots t0.. (below cached_hi) into the online softmax state (m_i, sums, acc): keys [BLOCK_S,
     HEAD_DIM] rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the slot's offset from the tile's
-    first position `start`), scored as keys @ R(-start)q (the G_PAD query columns), then acc += pᵀ C_v. K_EXACT /
-    V_EXACT: the tile may hold exact sink or window copies (latent_tile)."""
+    first position `start`), scored as keys @ [q1r; q2r] (R(-start)q, the G_PAD query columns), then acc += pᵀ C_v.
+    ordered: the tile's positions are known to be start + δ (else each slot whose position is not turns on by the
+    rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile)."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
     delta = tl.arange(0, BLOCK_S)
     slots = t0 + delta
@@ -180,18 +220,17 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, cached_hi, length, b, q1, q2, q
     if HAS_ROPE:
         key1, key2 = key1 * cos_delta - key2 * sin_delta, key2 * cos_delta + key1 * sin_delta
         offset = pos - start
-        if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) != 0:
-            # positions not consecutive (left padding, edited caches): on by (offset - δ) f per slot
-            freq = tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32)
-            cos_t, sin_t = _trig(_reduce_angle((offset - delta).to(tl.float32)[:, None] * freq[None, :]), FAST_MATH)
-            cos_t, sin_t = cos_t.to(KEY_DTYPE), sin_t.to(KEY_DTYPE)
-            key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
+        if not ordered:
+            if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) != 0:
+                # positions not consecutive (left padding, edited caches): on by (offset - δ) f per slot
+                freq = tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32)
+                cos_t, sin_t = _trig(_reduce_angle((offset - delta).to(tl.float32)[:, None] * freq[None, :]),
+                                     FAST_MATH)
+                cos_t, sin_t = cos_t.to(KEY_DTYPE), sin_t.to(KEY_DTYPE)
+                key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
         if EXACT_ANGLES:
             rest = _angle_rest(pos, start, offset, tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32))
             key1, key2 = key1 - rest * key2, key2 + rest * key1
-        cos_q, sin_q = _trig(_reduce_angle(start.to(tl.float32) * inv_freq), FAST_MATH)
-        q1r = (q1 * cos_q[:, None] + q2 * sin_q[:, None]).to(DOT_DTYPE)
-        q2r = (q2 * cos_q[:, None] - q1 * sin_q[:, None]).to(DOT_DTYPE)
     scores = _mm(key1, q1r, tl.zeros([BLOCK_S, G_PAD], tl.float32), DOT_DTYPE, IEEE)    # [BLOCK_S, G_PAD]
     scores = _mm(key2, q2r, scores, DOT_DTYPE, IEEE)
     visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND)
@@ -224,7 +263,7 @@ def latent_decode_kernel(
         V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_PACKED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
+        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, CHECK_BLOCK: tl.constexpr = 1024):
     """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
     [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
     which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
@@ -241,18 +280,13 @@ def latent_decode_kernel(
     g_ok = g < GROUP_HEADS
     delta = tl.arange(0, BLOCK_S)
     col = h * HEAD_DIM + d
-    q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g)[None, :] * q_sh + d[:, None]
-    q1 = tl.load(q_at, mask=g_ok[None, :], other=0.0).to(tl.float32)        # [HALF, G_PAD]: queries as columns
-    q2 = tl.load(q_at + HALF, mask=g_ok[None, :], other=0.0).to(tl.float32)
+    cos_delta, sin_delta, cos_step, sin_step = 0.0, 0.0, 0.0, 0.0
     if HAS_ROPE:
         inv_freq = tl.load(inv_freq_ptr + d).to(tl.float32)
         cos_delta, sin_delta = _trig(_reduce_angle(delta.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
         cos_delta, sin_delta = cos_delta.to(KEY_DTYPE), sin_delta.to(KEY_DTYPE)
-        q1r, q2r = 0.0, 0.0  # turned per tile
-    else:
-        inv_freq = d.to(tl.float32)
-        cos_delta, sin_delta = 0.0, 0.0
-        q1r, q2r = q1.to(DOT_DTYPE), q2.to(DOT_DTYPE)
+        # the turn from one tile's first position to the next one's, in full precision: it is applied once per tile
+        cos_step, sin_step = _trig(_reduce_angle(BLOCK_S * inv_freq), False)
     bias1, bias2 = 0.0, 0.0
     if HAS_BIAS:
         bias1 = tl.load(bias_k_ptr + col).to(KEY_DTYPE)[None, :]
@@ -283,15 +317,32 @@ def latent_decode_kernel(
     mid_hi = tl.where(high >= cached_hi, cached_hi, s_lo + tl.maximum(high - s_lo, 0) // BLOCK_S * BLOCK_S)
     mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), cached_hi)  # empty where the split holds no cached slot
     pos_row = pos_ptr + b * pos_sb
-    next_pos = tl.load(pos_row + mid_lo + delta, mask=mid_lo + delta < mid_hi, other=0)
-    next_start = tl.load(pos_row + mid_lo, mask=mid_lo < mid_hi, other=0)
+    # positions consecutive over the middle tiles (the usual case): no tile loads its positions, and the queries
+    # turn from one tile's first position to the next by R(-BLOCK_S) (an fp32 product per tile, not a sine per
+    # frequency); else each tile loads its positions and turns the queries by its own first one
+    ordered, first = True, 0  # without RoPE the positions are not read
+    if HAS_ROPE:
+        ordered, first = _consecutive(pos_row, mid_lo, mid_hi, CHECK_BLOCK)
+    # the queries turned to the tile's first position
+    qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first, inv_freq_ptr, GROUP_HEADS, G_PAD, HALF, HAS_ROPE,
+                               FAST_MATH)
     for t0 in range(mid_lo, mid_hi, BLOCK_S):
-        pos, start = next_pos, next_start  # loaded a tile ahead
-        next_pos = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < mid_hi, other=0)
-        next_start = tl.load(pos_row + t0 + BLOCK_S, mask=t0 + BLOCK_S < mid_hi, other=0)
+        if ordered:
+            start = first + (t0 - mid_lo)
+            pos = start + delta
+        else:
+            pos = tl.load(pos_row + t0 + delta, mask=t0 + delta < mid_hi, other=0)
+            start = tl.load(pos_row + t0)
+        if HAS_ROPE:
+            if EXACT_ANGLES:  # fp32 models: each tile's turn from its own angle, as the reference rounds it
+                qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD,
+                                           HALF, HAS_ROPE, FAST_MATH)
+            elif not ordered:
+                qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD,
+                                           HALF, HAS_ROPE, FAST_MATH)
         m_i, sums, acc = _attend_tile(
-            m_i, sums, acc, t0, pos, start, mid_hi, length, b, q1, q2, q1r, q2r, cos_delta, sin_delta, inv_freq,
-            inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+            m_i, sums, acc, t0, pos, start, ordered, mid_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
+            cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
             k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
             k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2,
             v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
@@ -299,13 +350,19 @@ def latent_decode_kernel(
             K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
             V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
             HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S)
+        if HAS_ROPE:
+            qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
+                        qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
     if K_EXACT or V_EXACT:  # the edge tiles [s_lo, mid_lo) and [mid_hi, cached_hi), one after the other
         first_edge = tl.cdiv(tl.maximum(mid_lo - s_lo, 0), BLOCK_S)
         for tile in range(0, first_edge + tl.cdiv(cached_hi - mid_hi, BLOCK_S)):
             t0 = tl.where(tile < first_edge, s_lo + tile * BLOCK_S, mid_hi + (tile - first_edge) * BLOCK_S)
+            start = tl.load(pos_row + t0)
+            qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD, HALF,
+                                       HAS_ROPE, FAST_MATH)
             m_i, sums, acc = _attend_tile(
-                m_i, sums, acc, t0, tl.load(pos_row + t0 + delta, mask=t0 + delta < cached_hi, other=0),
-                tl.load(pos_row + t0), cached_hi, length, b, q1, q2, q1r, q2r, cos_delta, sin_delta, inv_freq,
+                m_i, sums, acc, t0, tl.load(pos_row + t0 + delta, mask=t0 + delta < cached_hi, other=0), start,
+                False, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE), cos_delta, sin_delta,
                 inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                 k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
@@ -317,9 +374,10 @@ def latent_decode_kernel(
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S)
     l_i = tl.sum(sums, 0)
     if (last >= s_lo) & (last < s_hi):  # this step's token, from its exact latents
-        key1, key2 = _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb, inv_freq, b,
-                                  h, last, k_lo, HEAD_DIM, K_BLOCK_RANK, K_CHUNK, HAS_BIAS, HAS_ROPE, DTYPE,
-                                  FAST_MATH)
+        key1, key2 = _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb,
+                                  inv_freq_ptr, b, h, last, k_lo, HEAD_DIM, K_BLOCK_RANK, K_CHUNK, HAS_BIAS, HAS_ROPE,
+                                  DTYPE, FAST_MATH)
+        q1, q2 = _queries(query_ptr, q_sb, q_sh, b, h, GROUP_HEADS, G_PAD, HALF)
         visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, last + delta, delta == 0, MASK_KIND)
         score = tl.sum(q1 * key1[:, None] + q2 * key2[:, None], 0) * qk_scale \
             + tl.sum(tl.where(delta == 0, additive, 0.0), 0) * LOG2E

@@ -1,5 +1,6 @@
 """The custom ops the rewritten graph calls. Each has a schema (its Python signature, declared once here
-and called by keyword everywhere), a fake (shape) implementation for tracing, and an implementation;
+and called by keyword everywhere), a fake (shape) implementation for tracing that names only the arguments it
+reads (`_fake` binds the rest by that signature), and an implementation;
 the PyTorch reference in `lowering.reference` computes each one, and `latent_attention` runs on the Triton
 decode kernel (`lowering.triton_decode`, one new token) or prefill kernel (`lowering.triton_prefill`, several)
 where its `implementation` argument says so.
@@ -11,6 +12,7 @@ slot's RoPE position, and one `rope_rows` buffer ([max_batch, slots, 2, rotary_d
 recomputes its RoPE frequencies as it runs: `lrkv_compile/rotary.py`) every slot's cos and sin rows.
 `lowering/quantize.py` documents the byte layout.
 """
+import inspect
 from typing import Optional
 
 import torch
@@ -23,6 +25,23 @@ from . import quantize, reference
 # the reference; "reference" always the PyTorch reference (the oracle); "triton" the kernel or an error saying why
 # not (on CPU it needs TRITON_INTERPRET=1)
 IMPLEMENTATIONS = ("auto", "reference", "triton")
+
+
+def _fake(op):
+    """Register the decorated function as `op`'s fake, called with the op's arguments bound by name to the op's own
+    signature (defaults applied), so the fake names only the arguments it reads (and **_ for the rest)."""
+    signature = inspect.signature(op._init_fn)  # the function custom_op decorated: the op's one declaration
+
+    def decorator(fn):
+        def fake(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return fn(**bound.arguments)
+
+        op.register_fake(fake)
+        return fn
+
+    return decorator
 
 
 @torch.library.custom_op("lrkv::cache_marker", mutates_args=())
@@ -38,9 +57,8 @@ def cache_marker(key_states: Tensor, value_states: Tensor, latent_k: Tensor, k_s
     )
 
 
-@cache_marker.register_fake
-def _(key_states, value_states, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
-      rope_rows, length, layer_idx):
+@_fake(cache_marker)
+def _(key_states, value_states, positions, **_):
     batch, kv_heads, _, head_dim = key_states.shape
     slots = positions.shape[1]  # the context (a sliding-window layer's latents may be a shorter ring)
     return (key_states.new_empty(batch, kv_heads, slots, head_dim),
@@ -60,11 +78,9 @@ def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Ten
     reference.latent_write(**locals())  # the op's own arguments, by name
 
 
-@latent_write.register_fake
-def _(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, new_positions,
-      length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, rope_rows,
-      new_cos, new_sin):
-    return None
+@_fake(latent_write)
+def _(**_):
+    return None  # it only writes the cache, in place
 
 
 @torch.library.custom_op("lrkv::latent_attention", mutates_args=())
@@ -116,12 +132,8 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
     return reference.latent_attention(**arguments)
 
 
-@latent_attention.register_fake
-def _(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v, up_k,
-      bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group,
-      k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, k_norm_weight=None, k_norm_offset=0.0,
-      k_norm_eps=0.0, softcap=0.0, new_positions=None, rope_cos=None, rope_sin=None, rope_rows=None, new_cos=None,
-      new_sin=None, implementation="auto"):
+@_fake(latent_attention)
+def _(query, new_v, up_v, **_):
     batch, heads, tokens, head_dim = query.shape
     if up_v is None:
         return query.new_empty(batch, tokens, heads * new_v.shape[-1])
@@ -134,6 +146,6 @@ def fake_quantize(latent: Tensor, bits: int, group: int, axis: str, outliers: in
     return quantize.fake_quantize(latent, bits, group, axis, outliers).clone()
 
 
-@fake_quantize.register_fake
-def _(latent, bits, group, axis, outliers):
+@_fake(fake_quantize)
+def _(latent, **_):
     return torch.empty_like(latent)

@@ -39,7 +39,12 @@ class DecodeConfig:
 DEFAULT = DecodeConfig(block_s=64, num_warps=4, num_stages=3)
 DEFAULT_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168)
 CANDIDATES = (DEFAULT, DEFAULT_HALVES,
-              DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=128))
+              DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=128),
+              DecodeConfig(block_s=64, num_warps=4, num_stages=2),
+              DecodeConfig(block_s=64, num_warps=4, num_stages=2, max_registers=168),
+              DecodeConfig(block_s=128, num_warps=8, num_stages=2),
+              DecodeConfig(block_s=128, num_warps=4, num_stages=2),
+              DecodeConfig(block_s=32, num_warps=4, num_stages=3, max_registers=128))
 FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
 WAVE_FILL = 0.9  # the least share of the last wave of programs the split of the slots accepts
 _BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)

@@ -21,7 +21,7 @@ from .errors import LrkvWarning, PlanError, UnrewrittenSiteError
 from .fit import check_sites, qualify_names, warn_left_full
 from .plan import RankPlan
 from .weights import parse
-from .trace import PRIVATE_NAME
+from .trace import PRIVATE_NAME, TRACE_NAME
 
 OPTIONS = {"plan": "RankPlan or path of a saved plan (required)",
            "value_path": "'auto' (by cost), 'absorb' (into the output projection) or 'up' (after the reduction)",
@@ -123,7 +123,7 @@ class _FallbackAlarm(logging.Filter):
         lines = record.getMessage().splitlines()
         where = lines[1].strip() if len(lines) > 1 else ""
         if reports and lines[0].startswith("torch._dynamo hit config.") and "recompile_limit" in lines[0] \
-                and PRIVATE_NAME not in where:  # lrkv's own copies are traced or compiled with fullgraph: no fallback
+                and PRIVATE_NAME not in where and TRACE_NAME not in where:  # lrkv's own copies: no fallback
             warnings.warn(f"lrkv: {lines[0]} ({where}): Dynamo now runs that function WITHOUT compiling it; if it is "
                           "a model's forward compiled with backend='lrkv', that model runs uncompressed. "
                           "lrkv.compile(model, plan) compiles a private copy of the forward (with its own recompile "

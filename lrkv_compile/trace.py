@@ -6,6 +6,11 @@ transformers wraps every model's `forward` in decorators whose code object is sh
 compiling `model.forward` for a trace would spend the user's recompile budget: after a few calibrations
 their own `torch.compile(model.forward, backend="lrkv")` would silently run eager. Every trace here (and
 `lrkv.compile`) therefore compiles a private copy of the forward's code; its entries die with the copy.
+
+Traces and compiled models get copies of different names: Dynamo's automatic dynamic shapes (and its profile of
+them) remember the sizes each function was compiled at by file, line and name, so a trace at a calibration
+batch would make the compiled model's first graph dynamic in its batch and cache sizes (symbolic shapes: a
+compile twice as long on a 32-layer model, and no gain for a cache whose sizes are fixed).
 """
 import types
 
@@ -16,16 +21,18 @@ from lrkv_compile.passes.canonicalize import canonicalize
 from .errors import UnrewrittenSiteError
 from .rotary import one_graph
 
-PRIVATE_NAME = "lrkv_private_forward"  # the code name Dynamo's messages show for these copies
+PRIVATE_NAME = "lrkv_private_forward"  # the code names Dynamo's messages show for these copies: compiled models
+TRACE_NAME = "lrkv_trace_forward"      # and traces
 
 
-def private_forward(model):
-    """`type(model).forward` bound to `model`, with a code object of its own (see the module docstring).
+def private_forward(model, name: str = PRIVATE_NAME):
+    """`type(model).forward` bound to `model`, with a code object of its own named `name` (see the module
+    docstring).
 
     The class's forward is used, so an instance-level `model.forward = torch.compile(...)` is looked through.
     """
     function = type(model).forward
-    copy = types.FunctionType(function.__code__.replace(co_name=PRIVATE_NAME), function.__globals__,
+    copy = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__,
                               function.__name__, function.__defaults__, function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__dict__.update(function.__dict__)  # functools.wraps' __wrapped__, which the wrapper's body reads
@@ -59,7 +66,8 @@ def capture(model, input_ids: torch.Tensor, past_key_values=None):
             raise _Captured()
         return stop
 
-    compiled = torch.compile(private_forward(model), backend=keep_graph, fullgraph=True, dynamic=False)
+    compiled = torch.compile(private_forward(model, TRACE_NAME), backend=keep_graph, fullgraph=True,
+                             dynamic=False)
     cache_kwargs = {"past_key_values": past_key_values, "use_cache": True} if past_key_values is not None \
         else {"use_cache": False}
     start = int(past_key_values.get_seq_length()) if past_key_values is not None else 0

@@ -43,13 +43,17 @@ def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outli
 
 def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blocks, k_block_rank, v_block_rank,
                k_bits, v_bits, k_group, v_group, sinks, window, length, spare, chunks, mask, padding, blind_row,
-               rope, bias, absorb, k_axis="token", k_outliers=0, v_outliers=0, start_position=0, seed=0):
-    """Keyword arguments of latent_attention for one decode step after `length - 1` cached tokens, written by
-    `reference.latent_write` in `chunks` prefill writes and then the step's own write (as the cache does)."""
+               rope, bias, absorb, tokens=1, mask_shape="padding", k_axis="token", k_outliers=0, v_outliers=0,
+               start_position=0, seed=0):
+    """Keyword arguments of latent_attention for a step of `tokens` new tokens (one: a decode step) ending `length`
+    tokens: the earlier ones written by `reference.latent_write` in `chunks` writes, then the step's own write, as the
+    cache does before attention. mask_shape: "padding" [batch, 1, 1, slots] (left padding only), "causal" [batch, 1,
+    tokens, slots] (padding and causality, as transformers builds it), "per_head" [batch, heads, tokens, slots]
+    (random columns per head and token)."""
     generator = torch.Generator().manual_seed(seed)
     heads = kv_heads * group_heads
     rank_k, rank_v = k_blocks * k_block_rank, v_blocks * v_block_rank
-    capacity = length + spare
+    earlier, capacity = length - tokens, length + spare
     latents_k = torch.randn(batch, length, rank_k, generator=generator).to(dtype)
     latents_v = torch.randn(batch, length, rank_v, generator=generator).to(dtype)
     pads = torch.randint(0, max(1, length - 1), (batch,), generator=generator) if padding else \
@@ -63,8 +67,8 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     layout = dict(k_bits=k_bits, k_group=k_group, k_sinks=sinks, k_axis=k_axis, k_outliers=k_outliers,
                   v_bits=v_bits, v_group=v_group, v_sinks=sinks, v_axis="token", v_outliers=v_outliers)
     positions = torch.zeros(batch, capacity, dtype=torch.int32)
-    bounds = sorted({0, length - 1, *torch.randint(1, max(2, length - 1), (chunks - 1,), generator=generator).tolist()})
-    bounds = [edge for edge in bounds if edge <= length - 1] + [length]
+    cuts = torch.randint(1, max(2, earlier), (chunks - 1,), generator=generator).tolist()
+    bounds = sorted({0, earlier, *(cut for cut in cuts if cut < earlier)}) + [length]
     for begin, end in zip(bounds[:-1], bounds[1:]):
         if end > begin:
             reference.latent_write(*sides_k, *sides_v, positions, latents_k[:, begin:end], latents_v[:, begin:end],
@@ -74,6 +78,11 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     attn_mask = None
     if mask != "none":
         allowed = visible[:, None, None, :]
+        if mask_shape == "causal":
+            query_index = torch.arange(earlier, length)
+            allowed = allowed & (torch.arange(capacity)[None, :] <= query_index[:, None])[None, None]
+        elif mask_shape == "per_head":
+            allowed = allowed & (torch.rand(batch, heads, tokens, capacity, generator=generator) < 0.8)
         attn_mask = allowed if mask == "bool" else \
             torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         if mask == "additive" and blind_row:
@@ -81,10 +90,10 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
             # zeros on CUDA; -inf leaves no slot visible on both
             attn_mask[-1] = float("-inf")
     kwargs = dict(
-        query=torch.randn(batch, heads, 1, head_dim, generator=generator).to(dtype),
+        query=torch.randn(batch, tokens, heads, head_dim, generator=generator).to(dtype).transpose(1, 2),
         latent_k=sides_k[0], k_scale=sides_k[1], k_zero=sides_k[2], k_exact=sides_k[3],
         latent_v=sides_v[0], v_scale=sides_v[1], v_zero=sides_v[2], v_exact=sides_v[3], positions=positions,
-        new_k=latents_k[:, -1:], new_v=latents_v[:, -1:],
+        new_k=latents_k[:, earlier:], new_v=latents_v[:, earlier:],
         up_k=_factor(k_blocks, k_block_rank, kv_heads, head_dim, generator).to(dtype),
         bias_k=torch.randn(kv_heads * head_dim, generator=generator).to(dtype) if bias else None,
         up_v=up_v, bias_v=torch.randn(kv_heads * head_dim, generator=generator).to(dtype) if bias and up_v is not None
@@ -94,9 +103,9 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
 
 
-def check(kwargs):
+def check(kwargs, config=None):
     expected = reference.latent_attention(**kwargs)
-    actual = triton_decode.decode_attention(**kwargs)
+    actual = triton_decode.decode_attention_with(config, **kwargs)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert torch.isfinite(actual).all()
     tolerance = TOLERANCE.get(kwargs["query"].dtype, FP16_TOLERANCE)
@@ -162,6 +171,20 @@ BASE = dict(batch=2, kv_heads=2, group_heads=4, head_dim=64, dtype=torch.float32
 def test_long_contexts_split_and_keep_late_positions_exact(dtype, group_heads):
     """Several splits and tiles; positions in the tens of thousands (RoPE angles reduced before the sine)."""
     check(build_case(**{**BASE, "dtype": dtype, "group_heads": group_heads, "start_position": 30000}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_turn_tile_by_tile_over_a_long_run_of_consecutive_positions(dtype):
+    """One split of 38 small tiles whose positions run on (batch x KV heads fill the grid): the queries turn from
+    each tile's first position to the next by R(-BLOCK_S), not by a sine per tile (fp32 models still take the sine).
+    A sign slip in that turn leaves ~10% error here."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "batch": 4, "kv_heads": 4, "k_blocks": 4, "v_blocks": 4,
+                           "padding": False, "mask": "none", "sinks": 0, "window": 0, "length": 600,
+                           "start_position": 1000})
+    config = triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1)
+    if not ON_GPU:  # the interpreter holds 4 programs on each of 4 multiprocessors: 16 rows fill them, one split
+        assert triton_decode._splits(4 * 4, 4 * 4, 600, config.block_s) == 1
+    check(kwargs, config)
 
 
 def test_an_additive_mask_broadcast_over_the_batch():

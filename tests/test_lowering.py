@@ -27,3 +27,16 @@ def test_inductor_compiles_the_rewritten_graph_and_changes_no_result():
         assert results[name][2] == results["plain"][2] == 10
         torch.testing.assert_close(results[name][0], results["plain"][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(results[name][1], results["plain"][1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_fake_reads_the_arguments_the_op_binds_by_name():
+    """A fake names only what it reads (`ops._fake` binds the op's arguments to its one signature): the op traces
+    under fake tensors, positional or by keyword, to the shape its implementation returns."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    latent = torch.randn(2, 3, 8, 16)
+    torch.library.opcheck(torch.ops.lrkv.fake_quantize, (latent, 4, 8, "token", 0))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(latent)
+        out = torch.ops.lrkv.fake_quantize(latent=fake, bits=4, group=8, axis="token", outliers=0)
+    assert out.shape == latent.shape and out.dtype == latent.dtype

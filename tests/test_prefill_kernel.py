@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.kernels import latent_prefill  # noqa: E402
 from lrkv_compile.lowering import reference, triton_prefill  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
-from test_kernels import DEVICE, FP16_TOLERANCE, _factor, _side_buffers  # noqa: E402
+from test_kernels import DEVICE, FP16_TOLERANCE, build_case  # noqa: E402
 
 # additive masks of finfo.min: the kernel's exponent (s - m) log2 e overflows to -inf there, as meant (weight 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
@@ -26,67 +26,9 @@ SETTINGS = settings(max_examples=int(os.environ.get("LRKV_KERNEL_EXAMPLES", 80))
                     print_blob=True)
 
 
-def build_prefill_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blocks, k_block_rank,
-                       v_block_rank, k_bits, v_bits, k_group, v_group, sinks, window, earlier, tokens, spare, chunks,
-                       mask, mask_shape, padding, blind_row, rope, bias, absorb, k_axis="token", k_outliers=0,
-                       v_outliers=0, start_position=0, seed=0):
-    """Keyword arguments of latent_attention for a step of `tokens` new tokens after `earlier` cached ones: the
-    earlier ones written by `reference.latent_write` in `chunks` writes, then the step's own write, as the cache
-    does before attention. mask_shape: "padding" [batch, 1, 1, slots] (left padding only), "causal" [batch, 1,
-    tokens, slots] (padding and causality, as transformers builds it), "per_head" [batch, heads, tokens, slots]
-    (random columns per head and token)."""
-    generator = torch.Generator().manual_seed(seed)
-    heads = kv_heads * group_heads
-    rank_k, rank_v = k_blocks * k_block_rank, v_blocks * v_block_rank
-    length = earlier + tokens
-    capacity = length + spare
-    latents_k = torch.randn(batch, length, rank_k, generator=generator).to(dtype)
-    latents_v = torch.randn(batch, length, rank_v, generator=generator).to(dtype)
-    pads = torch.randint(0, max(1, length - 1), (batch,), generator=generator) if padding else \
-        torch.zeros(batch, dtype=torch.long)
-    visible = torch.arange(capacity)[None, :] >= pads[:, None]
-    if blind_row:
-        visible[-1] = False
-    positions_all = (visible.long().cumsum(-1) - 1).masked_fill(~visible, 1) + start_position
-    sides_k = _side_buffers(batch, capacity, rank_k, k_bits, k_group, sinks, window, k_axis, k_outliers, dtype)
-    sides_v = _side_buffers(batch, capacity, rank_v, v_bits, v_group, sinks, window, "token", v_outliers, dtype)
-    layout = dict(k_bits=k_bits, k_group=k_group, k_sinks=sinks, k_axis=k_axis, k_outliers=k_outliers,
-                  v_bits=v_bits, v_group=v_group, v_sinks=sinks, v_axis="token", v_outliers=v_outliers)
-    positions = torch.zeros(batch, capacity, dtype=torch.int32)
-    cuts = torch.randint(1, max(2, earlier), (chunks - 1,), generator=generator).tolist()
-    bounds = sorted({0, earlier, *(cut for cut in cuts if cut < earlier)}) + [length]
-    for begin, end in zip(bounds[:-1], bounds[1:]):
-        if end > begin:
-            reference.latent_write(*sides_k, *sides_v, positions, latents_k[:, begin:end], latents_v[:, begin:end],
-                                   positions_all[:, begin:end], torch.tensor(begin), **layout)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim) if rope else None
-    up_v = None if absorb else _factor(v_blocks, v_block_rank, kv_heads, head_dim, generator).to(dtype)
-    attn_mask = None
-    if mask != "none":
-        allowed = visible[:, None, None, :]
-        if mask_shape == "causal":
-            query_index = torch.arange(earlier, length)
-            allowed = allowed & (torch.arange(capacity)[None, :] <= query_index[:, None])[None, None]
-        elif mask_shape == "per_head":
-            allowed = allowed & (torch.rand(batch, heads, tokens, capacity, generator=generator) < 0.8)
-        attn_mask = allowed if mask == "bool" else \
-            torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        if mask == "additive" and blind_row:
-            # a row of finfo.min alone is ambiguous: the reference's SDPA attends uniformly on CPU and returns
-            # zeros on CUDA; -inf leaves no slot visible on both
-            attn_mask[-1] = float("-inf")
-    kwargs = dict(
-        query=torch.randn(batch, tokens, heads, head_dim, generator=generator).to(dtype).transpose(1, 2),
-        latent_k=sides_k[0], k_scale=sides_k[1], k_zero=sides_k[2], k_exact=sides_k[3],
-        latent_v=sides_v[0], v_scale=sides_v[1], v_zero=sides_v[2], v_exact=sides_v[3], positions=positions,
-        new_k=latents_k[:, earlier:], new_v=latents_v[:, earlier:],
-        up_k=_factor(k_blocks, k_block_rank, kv_heads, head_dim, generator).to(dtype),
-        bias_k=torch.randn(kv_heads * head_dim, generator=generator).to(dtype) if bias else None,
-        up_v=up_v, bias_v=torch.randn(kv_heads * head_dim, generator=generator).to(dtype) if bias and up_v is not None
-        else None,
-        inv_freq=inv_freq, rope_scale=0.75 if rope else 1.0, length=torch.tensor(length), attn_mask=attn_mask,
-        softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, **layout)
-    return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+def build_prefill_case(*, earlier, tokens, **case):
+    """`build_case` for a step of `tokens` new tokens after `earlier` cached ones."""
+    return build_case(length=earlier + tokens, tokens=tokens, **case)
 
 
 def check(kwargs):
