@@ -22,8 +22,9 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
     multiple of a channel-axis group). Per channel (axis "channel"), the blocks of `group` indices this write
     completes are quantized from their 16-bit copies: the earlier indices' from the window ring, which holds them
     (window >= group), this step's rounded.
-    16-bit and per-token sides are written with tensor indices only, so the write never waits for the device (CUDA
-    graphs can capture it); a per-channel side reads where its blocks start on the host."""
+    16-bit and per-token sides, and a per-channel side's one-token (decode) write, use tensor indices only, so the
+    write never waits for the device (CUDA graphs can capture it); a per-channel write of several tokens reads
+    where its blocks start on the host."""
     capacity = latent.shape[1]
     kept = indices[-capacity:]  # a ring keeps the last `capacity` indices
     slots = kept % capacity
@@ -36,6 +37,18 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
         latent[:batch].index_copy_(1, slots, codes)
         scale[:batch].index_copy_(1, slots, new_scale.to(scale.dtype))
         zero[:batch].index_copy_(1, slots, new_zero.to(zero.dtype))
+    elif len(indices) == 1:  # decode: the token's block, quantized every step, kept where the token completes it
+        start = indices[0]
+        block = start - start % group + torch.arange(group, device=new.device)
+        # the block's earlier indices from the window ring (window >= group); later ones are stale until it fills
+        span = torch.where((block == start)[None, :, None], new[:, :1].to(exact.dtype),
+                           exact[:batch, sinks + block % window])
+        codes, new_scale, new_zero = quantize.quantize(span, bits, group, axis, outliers)
+        complete = start % group == group - 1
+        slots, row = block % capacity, ((start // group) % scale.shape[1]).reshape(1)  # a tensor index, not an int
+        latent[:batch, slots] = torch.where(complete, codes, latent[:batch, slots])
+        scale[:batch, row] = torch.where(complete, new_scale, scale[:batch, row])
+        zero[:batch, row] = torch.where(complete, new_zero, zero[:batch, row])
     else:
         start, tokens = int(indices[0]), len(indices)
         first, end = start - start % group, (start + tokens) // group * group

@@ -13,14 +13,13 @@ up-projection then makes [batch, heads, tokens, head_dim]. Both grow with tokens
 device and the grid depends on the shapes alone, so a step reads nothing back to the host once the factors' blocks
 are known (`triton_decode.prepare`) and the autotuner has chosen a geometry for its shapes.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lrkv_compile.kernels import latent_prefill
-from .triton_decode import BITS, DTYPES, _per_head, _side, diagonal_blocks
+from .triton_decode import BITS, DTYPES, _per_head, _side, check_inputs, diagonal_blocks
 
 LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new tokens up to this, once for all longer
 
@@ -44,17 +43,7 @@ def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_
     on the Triton prefill kernel: the earlier slots read from the cache, this step's from new_k / new_v."""
     batch, heads, tokens, head_dim = query.shape
     device = query.device
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpret:
-        raise NotImplementedError(f"{device.type} tensors: the Triton kernel runs on CUDA (or with TRITON_INTERPRET=1)")
-    if query.dtype not in DTYPES:
-        raise NotImplementedError(f"query dtype {query.dtype}: the Triton prefill kernel takes {list(DTYPES)}")
-    if head_dim & (head_dim - 1) or not 32 <= head_dim <= 256:
-        raise NotImplementedError(f"head_dim={head_dim}: the Triton prefill kernel takes powers of two from 32 to 256")
-    if heads % num_kv_heads or heads // num_kv_heads > 64:
-        raise NotImplementedError(f"{heads} query heads over {num_kv_heads} KV heads")
-    if inv_freq is not None and inv_freq.numel() != head_dim // 2:
-        raise NotImplementedError(f"inv_freq of {inv_freq.numel()} frequencies for head_dim {head_dim} (partial RoPE)")
+    interpret = check_inputs(query, num_kv_heads, inv_freq, "prefill")
     if latent_k.shape[1] < positions.shape[1]:
         raise NotImplementedError("the Triton prefill kernel reads a full-length cache, not a sliding-window ring")
     for name, bits, axis in (("k", k_bits, k_axis), ("v", v_bits, v_axis)):

@@ -62,12 +62,16 @@ def test_cache_of_another_plan_is_rejected():
         model(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(bits=4, group=8, sinks=2, window=3)], ids=["16-bit", "4-bit"])
-@pytest.mark.parametrize("tokens", [1, 5])
+TOKEN = dict(bits=4, group=8, sinks=2, window=3)
+CHANNEL = dict(bits=4, group=4, sinks=2, window=4, axis_k="channel")
+
+
+@pytest.mark.parametrize("layout, tokens", [(dict(), 1), (dict(), 5), (TOKEN, 1), (TOKEN, 5), (CHANNEL, 1)],
+                         ids=["16-bit-1", "16-bit-5", "4-bit-1", "4-bit-5", "4-bit-per-channel-keys-1"])
 def test_the_write_never_reads_the_device(layout, tokens):
-    """16-bit and per-token latents are written with tensor indices only: on meta tensors, which have no values,
-    any host read (int(length), a boolean mask's nonzero) would raise. This is what lets CUDA graphs capture a
-    decode step's writes."""
+    """16-bit and per-token latents, and a decode step's per-channel keys, are written with tensor indices only: on
+    meta tensors, which have no values, any host read (int(length), a boolean mask's nonzero) would raise. This is
+    what lets CUDA graphs capture a decode step's writes."""
     from lrkv_compile.lowering import reference
     model = build_model(SMALL)
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False, **layout)

@@ -40,3 +40,25 @@ def test_a_fake_reads_the_arguments_the_op_binds_by_name():
         fake = mode.from_tensor(latent)
         out = torch.ops.lrkv.fake_quantize(latent=fake, bits=4, group=8, axis="token", outliers=0)
     assert out.shape == latent.shape and out.dtype == latent.dtype
+
+
+def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypatch):
+    """Making a plan traces the model (here at RankPlan.uniform's own batch); the compiled model's first step, at
+    batch 3 with a 24-slot cache, is still compiled for those sizes. Dynamo's automatic dynamic shapes remember the
+    sizes a function ran at by its name, so traces run a forward copy named apart from lrkv.compile's (else its
+    first graph is symbolic in batch and cache sizes: twice the compile time for a 32-layer model)."""
+    from lrkv_compile import backend
+
+    model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
+                             attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
+    plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)
+    lrkv.explain(model, plan, show=False)  # one more trace, at its own sizes
+    seen, lower = [], backend.lower
+    monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: seen.append(inputs) or lower(gm, inputs, *args))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=3, max_cache_len=24)
+    with torch.no_grad():
+        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (3, 1)), past_key_values=cache, use_cache=True)
+    assert len(seen) == 1
+    symbolic = [value for value in seen[0] if isinstance(value, torch.SymInt)
+                or isinstance(value, torch.Tensor) and not all(isinstance(size, int) for size in value.shape)]
+    assert not symbolic, f"{len(symbolic)} symbolic inputs: {symbolic[:3]}"
