@@ -1,7 +1,7 @@
 """The backend's last stage: who computes the latent ops, and what compiles the rest of the rewritten graph.
 
-`kernels` ("auto" | "reference" | "triton", `ops.IMPLEMENTATIONS`) is written into every `latent_attention`
-call. With Inductor (the default when the graph runs on CUDA), the rewritten graph is compiled by `compile_fx`, as
+`kernels` ("auto" | "reference" | "triton", `ops.IMPLEMENTATIONS`) is written into every `latent_attention` and
+`latent_write` call. With Inductor (the default when the graph runs on CUDA), the rewritten graph is compiled by `compile_fx`, as
 backend="inductor" compiles any graph: the matmuls, norms and elementwise work around the latent ops are
 fused and tuned, and the latent ops stay opaque calls to their implementations. On CPU the graph runs as
 rewritten unless `inductor=True`.
@@ -10,9 +10,10 @@ import torch
 
 
 def choose_kernels(gm: torch.fx.GraphModule, kernels: str) -> None:
-    """Set the implementation of every latent_attention call of `gm` to `kernels` (one of `ops.IMPLEMENTATIONS`)."""
+    """Set the implementation of every latent_attention and latent_write call of `gm` to `kernels` (one of
+    `ops.IMPLEMENTATIONS`)."""
     for node in gm.graph.nodes:
-        if node.target is torch.ops.lrkv.latent_attention.default:
+        if node.target in (torch.ops.lrkv.latent_attention.default, torch.ops.lrkv.latent_write.default):
             node.kwargs = {**node.kwargs, "implementation": kernels}
     gm.recompile()
 

@@ -2,8 +2,8 @@
 and called by keyword everywhere), a fake (shape) implementation for tracing that names only the arguments it
 reads (`_fake` binds the rest by that signature), and an implementation;
 the PyTorch reference in `lowering.reference` computes each one, and `latent_attention` runs on the Triton
-decode kernel (`lowering.triton_decode`, one new token) or prefill kernel (`lowering.triton_prefill`, several)
-where its `implementation` argument says so.
+decode kernel (`lowering.triton_decode`, one new token) or prefill kernel (`lowering.triton_prefill`, several),
+and `latent_write` on the Triton write (`lowering.triton_write`), where their `implementation` argument says so.
 
 Each side's cache state is four tensors: latents (model dtype, or packed uint8 codes), fp16 scale and
 fp16 zero point (empty for 16-bit sides), and `exact` (the sink and recent-window tokens' latents in 16
@@ -25,6 +25,22 @@ from . import quantize, reference
 # the reference; "reference" always the PyTorch reference (the oracle); "triton" the kernel or an error saying why
 # not (on CPU it needs TRITON_INTERPRET=1)
 IMPLEMENTATIONS = ("auto", "reference", "triton")
+
+
+def _dispatch(implementation: str, on_cuda: bool, kernel, reference_op):
+    """Who computes an op: `kernel()` (a Triton launcher) where `implementation` asks for it ("triton", or "auto" on
+    CUDA tensors), else `reference_op()`; under "auto" a kernel's NotImplementedError falls back to the reference,
+    under "triton" it is a KernelUnavailableError saying why."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; choose one of {IMPLEMENTATIONS}")
+    if implementation == "triton" or implementation == "auto" and on_cuda:
+        try:
+            return kernel()
+        except NotImplementedError as why:
+            if implementation == "triton":
+                raise KernelUnavailableError(f"lrkv kernels='triton': {why}; use kernels='auto' to run the "
+                                             "reference op where the kernel does not apply") from None
+    return reference_op()
 
 
 def _fake(op):
@@ -72,10 +88,18 @@ def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Ten
                  v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor, new_k: Tensor, new_v: Tensor,
                  new_positions: Optional[Tensor], length: Tensor, k_bits: int, k_group: int, k_sinks: int,
                  k_axis: str, k_outliers: int, v_bits: int, v_group: int, v_sinks: int, v_axis: str,
-                 v_outliers: int, rope_rows: Tensor, new_cos: Optional[Tensor], new_sin: Optional[Tensor]) -> None:
+                 v_outliers: int, rope_rows: Tensor, new_cos: Optional[Tensor], new_sin: Optional[Tensor],
+                 implementation: str = "auto") -> None:
     """Store this step's K/V latents (quantized per the layout, exact copies of sinks and window) and their
-    positions (or RoPE rows) in the cache, in place."""
-    reference.latent_write(**locals())  # the op's own arguments, by name
+    positions (or RoPE rows) in the cache, in place. `implementation` (`IMPLEMENTATIONS`): "auto" the Triton write
+    (`lowering.triton_write`, one launch per side) on CUDA tensors where it covers the layout, else the reference."""
+    arguments = dict(locals())  # the op's own arguments, by name
+    del arguments["implementation"]
+
+    def kernel():
+        from . import triton_write  # needs triton, which CPU-only installs may lack
+        triton_write.latent_write(**arguments)
+    _dispatch(implementation, new_k.is_cuda, kernel, lambda: reference.latent_write(**arguments))
 
 
 @_fake(latent_write)
@@ -100,36 +124,30 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
     (`IMPLEMENTATIONS`) picks the code that computes it."""
     arguments = dict(locals())  # the op's own arguments, by name
     del arguments["implementation"]
-    if implementation == "triton" or implementation == "auto" and query.is_cuda:
+
+    def kernel():
         from . import triton_decode, triton_prefill  # need triton, which CPU-only installs may lack
-        try:
-            if k_norm_weight is not None:
-                raise NotImplementedError("the decode kernel does not apply a per-head key norm (q/k norm models)")
-            if inv_freq is not None and 2 * inv_freq.shape[-1] != query.shape[-1]:
-                raise NotImplementedError("the decode kernel applies RoPE to every channel, not partial rotary")
-            if rope_cos is not None:
-                raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from the model's cos/sin "
-                                          "tables")
-            if rope_rows is not None:
-                raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from cos/sin rows stored "
-                                          "per token (a model that recomputes its RoPE frequencies as it runs)")
-            if softcap:
-                raise NotImplementedError("the decode kernel does not soft-cap attention scores")
-            if latent_k.shape[1] < positions.shape[1]:
-                raise NotImplementedError("the decode kernel reads a full-length cache, not a sliding-window ring")
-            kernel_arguments = {name: value for name, value in arguments.items()
-                                if not name.startswith("k_norm_")
-                                and name not in ("softcap", "new_positions", "rope_cos", "rope_sin", "rope_rows",
-                                                 "new_cos", "new_sin")}
-            kernel = triton_decode.decode_attention if query.shape[2] == 1 else triton_prefill.prefill_attention
-            return kernel(**kernel_arguments)
-        except NotImplementedError as why:
-            if implementation == "triton":
-                raise KernelUnavailableError(f"lrkv kernels='triton': {why}; use kernels='auto' to run the "
-                                             "reference op where the kernel does not apply") from None
-    elif implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; choose one of {IMPLEMENTATIONS}")
-    return reference.latent_attention(**arguments)
+        if k_norm_weight is not None:
+            raise NotImplementedError("the decode kernel does not apply a per-head key norm (q/k norm models)")
+        if inv_freq is not None and 2 * inv_freq.shape[-1] != query.shape[-1]:
+            raise NotImplementedError("the decode kernel applies RoPE to every channel, not partial rotary")
+        if rope_cos is not None:
+            raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from the model's cos/sin "
+                                      "tables")
+        if rope_rows is not None:
+            raise NotImplementedError("the decode kernel computes RoPE from inv_freq, not from cos/sin rows stored "
+                                      "per token (a model that recomputes its RoPE frequencies as it runs)")
+        if softcap:
+            raise NotImplementedError("the decode kernel does not soft-cap attention scores")
+        if latent_k.shape[1] < positions.shape[1]:
+            raise NotImplementedError("the decode kernel reads a full-length cache, not a sliding-window ring")
+        kernel_arguments = {name: value for name, value in arguments.items()
+                            if not name.startswith("k_norm_")
+                            and name not in ("softcap", "new_positions", "rope_cos", "rope_sin", "rope_rows",
+                                             "new_cos", "new_sin")}
+        launch = triton_decode.decode_attention if query.shape[2] == 1 else triton_prefill.prefill_attention
+        return launch(**kernel_arguments)
+    return _dispatch(implementation, query.is_cuda, kernel, lambda: reference.latent_attention(**arguments))
 
 
 @_fake(latent_attention)

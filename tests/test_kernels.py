@@ -11,7 +11,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything: the kernels then run on CPU tensors
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from lrkv_compile.lowering import reference, triton_decode, triton_prefill  # noqa: E402
+from lrkv_compile.lowering import reference, triton_decode, triton_prefill, triton_write  # noqa: E402
 from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
 
@@ -223,8 +223,9 @@ def _decode_logits(model, plan, cache, logits, steps, kernels):
 
 
 def test_the_kernels_option_runs_the_triton_kernels_in_the_compiled_model(monkeypatch):
-    """kernels='triton' puts the Triton prefill kernel under the prompt and the decode kernel under every decode step
-    of a compiled model and gives the reference op's logits; 'reference' never calls a kernel."""
+    """kernels='triton' puts the Triton prefill kernel under the prompt, the decode kernel under every decode step
+    and the Triton write under every cache write of a compiled model and gives the reference op's logits;
+    'reference' never calls a kernel."""
     import copy
     import lrkv_compile as lrkv
     from strategies import VOCAB, build_model
@@ -238,20 +239,25 @@ def test_the_kernels_option_runs_the_triton_kernels_in_the_compiled_model(monkey
     prefills = []
     prefill = triton_prefill.prefill_attention
     monkeypatch.setattr(triton_prefill, "prefill_attention", lambda **kwargs: prefills.append(1) or prefill(**kwargs))
+    writes = []
+    write = triton_write.latent_write
+    monkeypatch.setattr(triton_write, "latent_write", lambda **kwargs: writes.append(1) or write(**kwargs))
     ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
     with torch.no_grad():
         on_kernel = lrkv.compile(model, plan, kernels="triton")(
             input_ids=ids, use_cache=True, past_key_values=lrkv.LatentCache(model, plan, max_batch_size=2,
                                                                             max_cache_len=32)).logits
-    assert len(prefills) == len(plan.sites)
+    assert len(prefills) == len(writes) == len(plan.sites)
     cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
+    writes.clear()
     with torch.no_grad():
         prompt = lrkv.compile(model, plan, kernels="reference")(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert not writes
     torch.testing.assert_close(on_kernel, prompt.logits, atol=2e-4, rtol=2e-4)
     twin = copy.deepcopy(cache)
     calls.clear()
     want = _decode_logits(model, plan, cache, prompt.logits[:, -1], 4, "reference")
     assert not calls
     got = _decode_logits(model, plan, twin, prompt.logits[:, -1], 4, "triton")
-    assert len(calls) == 4 * len(plan.sites)
+    assert len(calls) == len(writes) == 4 * len(plan.sites)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

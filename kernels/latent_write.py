@@ -1,0 +1,72 @@
+"""Triton latent write: one side's new latents into the cache, quantized at write time, in one launch (the `@triton.jit`
+code only; the launcher is `lowering/triton_write.py`, the oracle `reference.latent_write`).
+
+One program per (batch row, new token). A 16-bit side copies the latent to its slot. A quantized side (per-token
+scales, groups of a multiple of 8 channels, no float16 outlier channels) reads the latent as runs of 8 channels,
+[RUNS, 8]: 8 codes of `BITS` bits fill exactly `BITS` bytes, so each run packs into one little-endian word and
+is stored as its bytes (`quantize.pack_codes`' stream). A group's scale and zero point come from its runs' min and
+max, rounded to float16 as the reference stores them, and codes are rounded half to even against the stored
+float16 values (IEEE division), so the bytes equal the reference's. Exact copies go where the reference keeps
+them: sinks (index < sinks) and the ring of the last `window` indices of the write.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_half_even(x):
+    """x rounded to the nearest integer, ties to even (torch.round); exact for |x| < 2^22."""
+    nearest = tl.floor(x + 0.5)
+    return tl.where((nearest - x == 0.5) & (nearest - 2.0 * tl.floor(nearest * 0.5) == 1.0), nearest - 1.0, nearest)
+
+
+@triton.jit
+def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss,
+                        exact_ptr, ex_sb, ex_ss, length_ptr, tokens, capacity, sinks, window,
+                        pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st,
+                        RANK: tl.constexpr, RUNS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                        HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
+    """Token t of row b: sequence index length + t, slot index % capacity. RUNS: a power of two >= RANK / 8."""
+    b, t = tl.program_id(0), tl.program_id(1)
+    index = tl.load(length_ptr).to(tl.int32) + t
+    slot = index % capacity
+    run = tl.arange(0, RUNS)[:, None]
+    channel = run * 8 + tl.arange(0, 8)[None, :]                                    # [RUNS, 8]
+    inside = channel < RANK
+    new = tl.load(new_ptr + b * new_sb + t * new_st + channel, mask=inside, other=0.0)
+    if BITS == 16:
+        tl.store(latent_ptr + b * lat_sb + slot * lat_ss + channel, new.to(latent_ptr.dtype.element_ty), mask=inside)
+    else:
+        RUNS_PER_GROUP: tl.constexpr = GROUP // 8
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        GROUPS: tl.constexpr = RUNS // RUNS_PER_GROUP
+        value = new.to(tl.float32)
+        grouped = tl.reshape(value, (GROUPS, RUNS_PER_GROUP * 8))
+        # padded runs past RANK form whole groups of their own (RANK is a multiple of GROUP): they are not stored
+        low = tl.min(grouped, 1)
+        high = tl.max(grouped, 1)
+        scale = tl.math.div_rn(high - low, tl.full(high.shape, LEVELS, tl.float32)).to(tl.float16)
+        zero = low.to(tl.float16)
+        group = tl.arange(0, GROUPS)
+        row = b * sz_sb + slot * sz_ss + group
+        tl.store(scale_ptr + row, scale, mask=group * GROUP < RANK)
+        tl.store(zero_ptr + row, zero, mask=group * GROUP < RANK)
+        step = tl.maximum(scale.to(tl.float32), 2.0 ** -24)[:, None]  # a constant group gets code 0
+        codes = _round_half_even(tl.math.div_rn(grouped - zero.to(tl.float32)[:, None], step))
+        codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int64)
+        codes = tl.reshape(codes, (RUNS, 8))
+        word = tl.sum(codes << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)   # [RUNS]: BITS bytes each
+        at = latent_ptr + b * lat_sb + slot * lat_ss + tl.arange(0, RUNS) * BITS
+        stored = tl.arange(0, RUNS) * 8 < RANK
+        for byte in tl.static_range(BITS):
+            tl.store(at + byte, ((word >> (8 * byte)) & 255).to(tl.uint8), mask=stored)
+    if HAS_EXACT:
+        copy = new.to(exact_ptr.dtype.element_ty)
+        if index < sinks:
+            tl.store(exact_ptr + b * ex_sb + index * ex_ss + channel, copy, mask=inside)
+        if (window > 0) & (t >= tokens - window):
+            tl.store(exact_ptr + b * ex_sb + (sinks + index % tl.maximum(window, 1)) * ex_ss + channel, copy,
+                     mask=inside)
+    if WRITE_POSITIONS:
+        position = tl.load(new_pos_ptr + b * new_pos_sb + t * new_pos_st)
+        tl.store(pos_ptr + b * pos_sb + index, position.to(pos_ptr.dtype.element_ty))

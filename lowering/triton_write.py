@@ -1,0 +1,72 @@
+"""Triton lowering of `latent_write`: input checks and one launch per side (`kernels/latent_write.py`).
+
+`latent_write(**kwargs)` takes the keyword arguments of `reference.latent_write` and writes what it writes (the
+same bytes); anything it does not cover raises NotImplementedError naming what, before writing anything, so the
+caller can run the reference instead. Like the reference it never reads the device on the host: the length stays
+a tensor, and a context longer than the cache is a device assertion on the GPU (`reference._check_room`).
+"""
+import os
+
+import torch
+import triton
+
+from lrkv_compile.errors import CacheOverflowError
+from lrkv_compile.kernels import latent_write as kernels
+from .reference import _check_room
+
+
+def _side_constants(name, latent, new, bits, group, axis, outliers):
+    """The kernel's constants for one side, or NotImplementedError for a layout it does not write."""
+    rank = new.shape[-1]
+    runs = triton.next_power_of_2(max(1, -(-rank // 8)))
+    if bits != 16:
+        if axis != "token":
+            raise NotImplementedError(f"{name}_axis={axis!r}: the Triton write quantizes per token only")
+        if outliers:
+            raise NotImplementedError(f"{name}_outliers={outliers}: the Triton write keeps no float16 outlier channels")
+        if group % 8 or group & (group - 1) or rank % group or group > 8 * runs:
+            raise NotImplementedError(f"{name}_group={group} for rank {rank}: the Triton write takes groups of a "
+                                      "power of two channels, at least 8, that divide the rank")
+    if latent.stride(-1) != 1 or new.stride(-1) != 1:
+        raise NotImplementedError(f"latent_{name} or new_{name} has a non-contiguous last axis")
+    return dict(RANK=rank, RUNS=runs, BITS=bits, GROUP=group if bits != 16 else 8)
+
+
+def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v,
+                 new_positions, length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
+                 v_outliers, rope_rows=None, new_cos=None, new_sin=None) -> None:
+    """`reference.latent_write` on the Triton write kernel."""
+    if new_k.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise NotImplementedError(f"{new_k.device.type} tensors: the Triton write runs on CUDA (or with "
+                                  "TRITON_INTERPRET=1)")
+    if new_cos is not None:
+        raise NotImplementedError("RoPE rows stored per token: the Triton write stores positions only")
+    batch, tokens = new_k.shape[0], new_k.shape[1]
+    sides = [("k", latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers),
+             ("v", latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers)]
+    constants = [_side_constants(name, latent, new, bits, group, axis, outliers)
+                 for name, latent, _, _, _, new, bits, group, _, axis, outliers in sides]
+    if any(tokens > side[1].shape[1] for side in sides):
+        raise NotImplementedError(f"{tokens} tokens into a ring of fewer slots: the Triton write writes each token")
+    if batch > latent_k.shape[0]:
+        raise CacheOverflowError(f"batch of {batch} sequences but this LatentCache holds max_batch_size="
+                                 f"{latent_k.shape[0]}; create it with a larger max_batch_size")
+    length = torch.as_tensor(length, device=positions.device)
+    _check_room(length, tokens, positions.shape[1])
+    if new_positions is not None:
+        new_positions = new_positions.reshape(new_positions.shape[0], tokens)
+    for (name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers), const in zip(sides, constants):
+        new = new.reshape(batch, tokens, -1)
+        write_positions = name == "k" and new_positions is not None
+        source = new_positions if write_positions else positions
+        quantized = bits != 16
+        kernels.latent_write_kernel[(batch, tokens)](
+            new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
+            scale if quantized else latent, zero if quantized else latent,
+            scale.stride(0) if quantized else 0, scale.stride(1) if quantized else 0,
+            exact if exact.numel() else latent, exact.stride(0) if exact.numel() else 0,
+            exact.stride(1) if exact.numel() else 0, length, tokens, latent.shape[1], sinks,
+            exact.shape[1] - sinks if exact.numel() else 0,
+            positions, positions.stride(0), source,
+            source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0,
+            **const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions)

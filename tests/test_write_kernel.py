@@ -1,0 +1,79 @@
+"""The Triton latent write against `reference.latent_write`: the same bytes in every cache buffer (codes, scales,
+zero points, exact sinks and window ring, positions) over a prefill and decode steps, for each bit width, group,
+dtype and a ring shorter than the context. Runs on CUDA when present, else on CPU under Triton's interpreter."""
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything: the kernels then run on CPU tensors
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from lrkv_compile.lowering import reference, triton_write  # noqa: E402
+from test_kernels import _side_buffers  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def _buffers(batch, capacity, context, rank_k, rank_v, layout, dtype, generator):
+    """Both sides' cache buffers, filled with random bytes (so what a write must not touch is checked too), and
+    the positions."""
+    sides = [_side_buffers(batch, capacity, rank, layout[f"{side}_bits"], layout[f"{side}_group"],
+                           layout[f"{side}_sinks"], layout["window"], "token", 0, dtype)
+             for side, rank in (("k", rank_k), ("v", rank_v))]
+    for tensor in sides[0] + sides[1]:
+        if tensor.numel():
+            tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator, dtype=torch.uint8)
+                         if tensor.dtype == torch.uint8 else torch.randn(tensor.shape, generator=generator))
+    positions = torch.randint(0, 1000, (batch, context), generator=generator, dtype=torch.int32)
+    return [tensor.to(DEVICE) for tensor in sides[0] + sides[1] + [positions]]
+
+
+@pytest.mark.parametrize("k_bits, v_bits, group, sinks, window", [
+    (16, 16, 8, 0, 0), (4, 3, 32, 4, 0), (8, 2, 8, 1, 3), (3, 4, 16, 0, 5), (2, 16, 8, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ring", [False, True])
+def test_the_triton_write_stores_the_reference_bytes(k_bits, v_bits, group, sinks, window, dtype, ring):
+    generator = torch.Generator().manual_seed(k_bits * 100 + v_bits + group)
+    batch, max_batch, context, rank_k, rank_v = 2, 3, 24, 32, 64
+    capacity = 16 if ring else context  # a sliding-window layer's ring: index i at slot i % 16
+    layout = dict(k_bits=k_bits, k_group=group, k_sinks=sinks if k_bits != 16 else 0, k_axis="token", k_outliers=0,
+                  v_bits=v_bits, v_group=group, v_sinks=sinks if v_bits != 16 else 0, v_axis="token", v_outliers=0)
+    buffers = _buffers(max_batch, capacity, context, rank_k, rank_v, dict(layout, window=window), dtype, generator)
+    expected = [tensor.clone() for tensor in buffers]
+    start = 0
+    for tokens in (7, 1, 1, 9, 1):  # a prompt, decode steps, a chunk that wraps the ring, one more step
+        new_k = torch.randn(batch, tokens, rank_k, generator=generator).to(dtype).to(DEVICE)
+        new_v = torch.randn(batch, tokens, rank_v, generator=generator).to(dtype).to(DEVICE)
+        new_v[:, :, :8] = 0.5  # a constant group: scale 0, codes 0
+        new_positions = (start + torch.arange(tokens)[None]).to(DEVICE)
+        arguments = dict(new_k=new_k, new_v=new_v, new_positions=new_positions,
+                         length=torch.tensor(start, device=DEVICE), **layout)
+        reference.latent_write(*expected[:8], expected[8], **arguments)
+        triton_write.latent_write(**dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale",
+                                              "v_zero", "v_exact", "positions"), buffers)), **arguments)
+        start += tokens
+        for name, got, want in zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero",
+                                    "v_exact", "positions"), buffers, expected):
+            assert torch.equal(got, want), f"{name} differs after {start} tokens"
+
+
+@pytest.mark.parametrize("change, what", [
+    (dict(k_axis="channel"), "k_axis='channel'"), (dict(v_outliers=8), "v_outliers=8"),
+    (dict(k_group=12), "k_group=12"), (dict(tokens=20), "ring of fewer slots")])
+def test_what_the_write_does_not_cover_raises_not_implemented(change, what):
+    layout = dict(k_bits=4, k_group=8, k_sinks=0, k_axis="token", k_outliers=0, v_bits=4, v_group=8, v_sinks=0,
+                  v_axis="token", v_outliers=0)
+    layout.update({name: value for name, value in change.items() if name != "tokens"})
+    buffers = _buffers(1, 16, 32, 24 if "k_group" in change else 32, 32, dict(layout, window=0), torch.float16,
+                       torch.Generator().manual_seed(0))
+    tokens = change.get("tokens", 1)
+    with pytest.raises(NotImplementedError, match=what):
+        triton_write.latent_write(
+            **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                        "positions"), buffers)),
+            new_k=torch.randn(1, tokens, 24 if "k_group" in change else 32, device=DEVICE),
+            new_v=torch.randn(1, tokens, 32, device=DEVICE), new_positions=None, length=torch.tensor(0, device=DEVICE),
+            **layout)
