@@ -207,33 +207,25 @@ def latent_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, V_CHUNK], tl.float32)  # the latent context
-    for t0 in range(0, earlier, BLOCK_S):  # earlier steps' slots: all of them precede every query
-        m_i, l_i, acc = _attend_tile(
-            m_i, l_i, acc, t0, earlier, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
-            qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width,
-            k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-            new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col,
-            bias1, bias2,
-            v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
-            new_v_ptr, new_v_sb, new_v_st, v_width, v_sinks, v_window, v_lo, v_hi,
-            False, HALF, BLOCK_M, BLOCK_S,
-            K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-            V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-            HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE)
     seen = earlier + tl.minimum(tokens, (tile + 1) * TILE_TOKENS)  # this step's slots the tile's last query sees
-    for t0 in range(earlier, seen, BLOCK_S):  # this step's slots, from its exact latents
-        m_i, l_i, acc = _attend_tile(
-            m_i, l_i, acc, t0, seen, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
-            qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width,
-            k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-            new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col,
-            bias1, bias2,
-            v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
-            new_v_ptr, new_v_sb, new_v_st, v_width, v_sinks, v_window, v_lo, v_hi,
-            True, HALF, BLOCK_M, BLOCK_S,
-            K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-            V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-            HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE)
+    # earlier steps' slots (all of them precede every query), then this step's, from its exact latents
+    for new in tl.static_range(2):
+        lo, hi = 0, earlier
+        if new:
+            lo, hi = earlier, seen
+        for t0 in range(lo, hi, BLOCK_S):
+            m_i, l_i, acc = _attend_tile(
+                m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
+                qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width,
+                k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
+                k_ex_ss, new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr,
+                up_k_sr, col, bias1, bias2,
+                v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
+                v_ex_ss, new_v_ptr, new_v_sb, new_v_st, v_width, v_sinks, v_window, v_lo, v_hi,
+                new == 1, HALF, BLOCK_M, BLOCK_S,
+                K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
+                V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
+                HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE)
     context = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     ch = v_part * V_CHUNK + tl.arange(0, V_CHUNK)
     out_at = out_ptr + b64 * out_sb + token[:, None] * out_st + head[:, None] * out_sh + ch[None, :]

@@ -112,6 +112,34 @@ def check(kwargs, config=None):
     torch.testing.assert_close(actual.float(), expected.float(), **tolerance)
 
 
+def draw_layout(draw, kv_heads, k_block_ranks, v_block_ranks, groups):
+    """The drawn cache layout of a kernel case (decode and prefill draw it alike): head / group / joint factors,
+    every bit width, block ranks from the given lists, float16 outlier channels, per-token groups from `groups`
+    that divide the quantized channels, a window, per-channel keys, and the mask kind. Returns (fields of
+    build_case, whether a side is quantized, mask)."""
+    scheme_k, scheme_v = draw(st.sampled_from(["head", "group", "joint"])), draw(st.sampled_from(["head", "joint"]))
+    blocks = dict(head=kv_heads, group=max(1, kv_heads // 2), joint=1)
+    k_bits, v_bits = draw(st.sampled_from([16, 8, 4, 3, 2])), draw(st.sampled_from([16, 8, 4, 3, 2]))
+    k_block_rank = draw(st.sampled_from(k_block_ranks))
+    v_block_rank = draw(st.sampled_from(v_block_ranks))
+    rank_k, rank_v = blocks[scheme_k] * k_block_rank, blocks[scheme_v] * v_block_rank
+    # outlier channels (float16 ahead of the codes) only where the draw leaves a group that divides the rest
+    k_outliers = draw(st.sampled_from([0, 0, 1, 4])) if k_bits != 16 else 0
+    v_outliers = draw(st.sampled_from([0, 0, 2, 4])) if v_bits != 16 else 0
+    k_group = draw(st.sampled_from([g for g in groups if (rank_k - k_outliers) % g == 0]))
+    v_group = draw(st.sampled_from([g for g in groups if (rank_v - v_outliers) % g == 0]))
+    quantized = k_bits != 16 or v_bits != 16
+    window = draw(st.sampled_from([0, 3, 8])) if quantized else 0
+    k_axis = "token"
+    if k_bits != 16 and window and draw(st.booleans()):  # KIVI's per-channel keys: blocks of slots, window >= group
+        k_axis, k_group = "channel", draw(st.sampled_from([g for g in (1, 2, 3, 4, 8) if g <= window]))
+    mask = draw(st.sampled_from(["none", "bool", "additive"]))
+    layout = dict(k_blocks=blocks[scheme_k], v_blocks=blocks[scheme_v], k_block_rank=k_block_rank,
+                  v_block_rank=v_block_rank, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
+                  window=window, k_axis=k_axis, k_outliers=k_outliers, v_outliers=v_outliers)
+    return layout, quantized, mask
+
+
 @st.composite
 def decode_cases(draw):
     """Small decode steps: GQA ratios 1/3/4/8, head_dim 64/128/256, head / group / joint factors, every bit width,
@@ -119,35 +147,17 @@ def decode_cases(draw):
     windows, left padding, boolean and additive masks."""
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([64, 128] + ([256] if ON_GPU else [])))
-    scheme_k, scheme_v = draw(st.sampled_from(["head", "group", "joint"])), draw(st.sampled_from(["head", "joint"]))
-    blocks = dict(head=kv_heads, group=max(1, kv_heads // 2), joint=1)
-    k_bits, v_bits = draw(st.sampled_from([16, 8, 4, 3, 2])), draw(st.sampled_from([16, 8, 4, 3, 2]))
-    k_block_rank = draw(st.sampled_from([8, 12, 20, 24, 32, 40, 64]))
-    v_block_rank = draw(st.sampled_from([12, 16, 24, 48, 64]))
-    rank_k, rank_v = blocks[scheme_k] * k_block_rank, blocks[scheme_v] * v_block_rank
-    # outlier channels (float16 ahead of the codes) only where the draw leaves a group that divides the rest
-    k_outliers = draw(st.sampled_from([0, 0, 1, 4])) if k_bits != 16 else 0
-    v_outliers = draw(st.sampled_from([0, 0, 2, 4])) if v_bits != 16 else 0
-    k_group = draw(st.sampled_from([g for g in (1, 3, 4, 6, 8, 16, 32) if (rank_k - k_outliers) % g == 0]))
-    v_group = draw(st.sampled_from([g for g in (1, 3, 4, 6, 8, 16, 32) if (rank_v - v_outliers) % g == 0]))
-    quantized = k_bits != 16 or v_bits != 16
-    window = draw(st.sampled_from([0, 3, 8])) if quantized else 0
-    k_axis = "token"
-    if k_bits != 16 and window and draw(st.booleans()):  # KIVI's per-channel keys: blocks of slots, window >= group
-        k_axis, k_group = "channel", draw(st.sampled_from([g for g in (1, 2, 3, 4, 8) if g <= window]))
-    mask = draw(st.sampled_from(["none", "bool", "additive"]))
+    layout, quantized, mask = draw_layout(draw, kv_heads, [8, 12, 20, 24, 32, 40, 64], [12, 16, 24, 48, 64],
+                                          (1, 3, 4, 6, 8, 16, 32))
     batch, length = draw(st.integers(1, 2)), draw(st.integers(1, 80))
-    if k_outliers or v_outliers:
+    if layout["k_outliers"] or layout["v_outliers"]:
         # quantize.dequantize views the float16 bytes of odd-width rows as Half and fails when fewer than two
         # earlier slots are read (.contiguous() then keeps the row stride); reported
         length = max(length, 3)
     return dict(
         batch=batch, kv_heads=kv_heads, group_heads=draw(st.sampled_from([1, 3, 4, 8])),
-        head_dim=head_dim, dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
-        k_blocks=blocks[scheme_k], v_blocks=blocks[scheme_v], k_block_rank=k_block_rank, v_block_rank=v_block_rank,
-        k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
+        head_dim=head_dim, dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])), **layout,
         sinks=draw(st.sampled_from([0, 1, 4])) if quantized else 0,
-        window=window, k_axis=k_axis, k_outliers=k_outliers, v_outliers=v_outliers,
         length=length, spare=draw(st.integers(0, 5)), chunks=draw(st.integers(1, 3)), mask=mask,
         padding=mask != "none" and draw(st.booleans()), blind_row=mask != "none" and draw(st.booleans()),
         rope=draw(st.booleans()), bias=draw(st.booleans()), absorb=draw(st.booleans()),

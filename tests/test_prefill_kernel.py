@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.kernels import latent_prefill  # noqa: E402
 from lrkv_compile.lowering import reference, triton_prefill  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
-from test_kernels import DEVICE, FP16_TOLERANCE, build_case  # noqa: E402
+from test_kernels import DEVICE, FP16_TOLERANCE, build_case, draw_layout  # noqa: E402
 
 # additive masks of finfo.min: the kernel's exponent (s - m) log2 e overflows to -inf there, as meant (weight 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
@@ -51,30 +51,13 @@ def prefill_cases(draw):
     outlier channels, ranks that are not multiples of a tile, sinks and windows, left padding, boolean and
     additive masks of every shape the kernel takes."""
     kv_heads = draw(st.sampled_from([1, 2]))
-    scheme_k, scheme_v = draw(st.sampled_from(["head", "group", "joint"])), draw(st.sampled_from(["head", "joint"]))
-    blocks = dict(head=kv_heads, group=max(1, kv_heads // 2), joint=1)
-    k_bits, v_bits = draw(st.sampled_from([16, 8, 4, 3, 2])), draw(st.sampled_from([16, 8, 4, 3, 2]))
-    k_block_rank = draw(st.sampled_from([8, 12, 20, 32, 40, 72]))
-    v_block_rank = draw(st.sampled_from([12, 16, 24, 48, 72]))
-    rank_k, rank_v = blocks[scheme_k] * k_block_rank, blocks[scheme_v] * v_block_rank
-    k_outliers = draw(st.sampled_from([0, 0, 1, 4])) if k_bits != 16 else 0
-    v_outliers = draw(st.sampled_from([0, 0, 2, 4])) if v_bits != 16 else 0
-    k_group = draw(st.sampled_from([g for g in (1, 3, 4, 8, 16, 32) if (rank_k - k_outliers) % g == 0]))
-    v_group = draw(st.sampled_from([g for g in (1, 3, 4, 8, 16, 32) if (rank_v - v_outliers) % g == 0]))
-    quantized = k_bits != 16 or v_bits != 16
-    window = draw(st.sampled_from([0, 3, 8])) if quantized else 0
-    k_axis = "token"
-    if k_bits != 16 and window and draw(st.booleans()):  # KIVI's per-channel keys: blocks of slots, window >= group
-        k_axis, k_group = "channel", draw(st.sampled_from([g for g in (1, 2, 3, 4, 8) if g <= window]))
-    mask = draw(st.sampled_from(["none", "bool", "additive"]))
+    layout, quantized, mask = draw_layout(draw, kv_heads, [8, 12, 20, 32, 40, 72], [12, 16, 24, 48, 72],
+                                          (1, 3, 4, 8, 16, 32))
     return dict(
         batch=draw(st.integers(1, 2)), kv_heads=kv_heads, group_heads=draw(st.sampled_from([1, 3, 4])),
         head_dim=draw(st.sampled_from([32, 64, 128] + ([256] if ON_GPU else []))),
-        dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])),
-        k_blocks=blocks[scheme_k], v_blocks=blocks[scheme_v], k_block_rank=k_block_rank, v_block_rank=v_block_rank,
-        k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
+        dtype=draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32])), **layout,
         sinks=draw(st.sampled_from([0, 1, 4])) if quantized else 0,
-        window=window, k_axis=k_axis, k_outliers=k_outliers, v_outliers=v_outliers,
         earlier=draw(st.sampled_from([0, 1, 7, 19, 37])), tokens=draw(st.sampled_from([1, 2, 5, 9, 17])),
         spare=draw(st.integers(0, 3)), chunks=draw(st.integers(1, 3)), mask=mask,
         mask_shape=draw(st.sampled_from(["padding", "causal", "per_head"])),
