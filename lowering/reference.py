@@ -72,9 +72,13 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
             exact[:batch].index_copy_(1, sinks + recent % window, new[:, -len(recent):].to(exact.dtype))
 
 
-def _check_room(length, tokens, capacity):
-    """A CacheOverflowError where the context would pass the cache's `capacity` slots. On the GPU the check runs
-    there (an assertion the device raises), so the write never waits for the device."""
+def _check_room(length, tokens, capacity, batch, max_batch):
+    """A CacheOverflowError where the batch passes the cache's `max_batch` rows or the context would pass its
+    `capacity` slots. On the GPU the context check runs there (an assertion the device raises), so the write never
+    waits for the device."""
+    if batch > max_batch:
+        raise CacheOverflowError(f"batch of {batch} sequences but this LatentCache holds max_batch_size={max_batch}; "
+                                 "create it with a larger max_batch_size")
     fix = "create the LatentCache with max_cache_len >= prompt length + max_new_tokens"
     if length.device.type == "cpu":
         if int(length) + tokens > capacity:
@@ -156,13 +160,8 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
     capacity = positions.shape[1]  # a sliding-window layer's latents are a shorter ring; positions cover the context
-    if batch > latent_k.shape[0]:
-        raise CacheOverflowError(
-            f"batch of {batch} sequences but this LatentCache holds max_batch_size={latent_k.shape[0]}; "
-            "create it with a larger max_batch_size"
-        )
     length = torch.as_tensor(length, device=positions.device)
-    _check_room(length, tokens, capacity)
+    _check_room(length, tokens, capacity, batch, latent_k.shape[0])
     indices = length + torch.arange(tokens, device=positions.device)  # sequence indices [tokens]
     _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers, batch, indices)
     _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers, batch, indices)

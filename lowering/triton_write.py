@@ -10,7 +10,6 @@ import os
 import torch
 import triton
 
-from lrkv_compile.errors import CacheOverflowError
 from lrkv_compile.kernels import latent_write as kernels
 from .reference import _check_room
 
@@ -48,11 +47,8 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
                  for name, latent, _, _, _, new, bits, group, _, axis, outliers in sides]
     if any(tokens > side[1].shape[1] for side in sides):
         raise NotImplementedError(f"{tokens} tokens into a ring of fewer slots: the Triton write writes each token")
-    if batch > latent_k.shape[0]:
-        raise CacheOverflowError(f"batch of {batch} sequences but this LatentCache holds max_batch_size="
-                                 f"{latent_k.shape[0]}; create it with a larger max_batch_size")
     length = torch.as_tensor(length, device=positions.device)
-    _check_room(length, tokens, positions.shape[1])
+    _check_room(length, tokens, positions.shape[1], batch, latent_k.shape[0])
     if new_positions is not None:
         new_positions = new_positions.reshape(new_positions.shape[0], tokens)
     for (name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers), const in zip(sides, constants):
