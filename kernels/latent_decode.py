@@ -9,7 +9,8 @@ positions and scores them against every query head of the KV head at once, trans
 keys @ R(-p0)q, so the keys go from one product's accumulator into the next one's operand in registers. Online
 softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in latent space on tensor cores. The
 tiles that hold exact sink or window copies run after the others in a loop of their own, so the main loop carries
-no branch for them. This step's token comes from its exact latents last. Partial (max, sum, context) per split go
+no branch for them. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software
+pipeline). This step's token comes from its exact latents last. Partial (max, sum, context) per split go
 to small buffers [batch*kv_heads, splits, group, channels]; `combine_splits_kernel` reduces them.
 
 RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for
@@ -25,7 +26,7 @@ first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 import triton
 import triton.language as tl
 
-from .latent_tiles import latent_tile, packed_order
+from .latent_tiles import latent_tile, packed_order, packed_scales
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores go base 2: the launcher's qk_scale holds it, additive masks here
 
@@ -163,6 +164,16 @@ def _consecutive(pos_row, lo, hi, CHECK: tl.constexpr):
 
 
 @triton.jit
+def _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0, hi, k_lo, k_hi, K_GROUP: tl.constexpr,
+                K_CHUNK: tl.constexpr, EVEN: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The packed key codes' (scales, zero points) of the tile at t0 (slots below hi). The main loop loads them a
+    tile ahead: 2-byte loads stay out of the software pipeline, so each tile waited on them."""
+    slots = t0 + tl.arange(0, BLOCK_S)
+    return packed_scales(k_scale_ptr, k_zero_ptr, b * k_sz_sb + slots * k_sz_ss, slots < hi, k_lo, k_hi, K_GROUP,
+                         K_CHUNK, EVEN)
+
+
+@triton.jit
 def _softmax_step(m_i, sums, scores, FAST_MATH: tl.constexpr):
     """Online softmax (base 2) over one more tile: scores [BLOCK_S, G_PAD] against the max [G_PAD] and the sums
     per slot of the tile [BLOCK_S, G_PAD] (added over the slots once, at the end). Returns the new max and sums,
@@ -179,7 +190,7 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
                  inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
                  k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                  k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col,
-                 bias1, bias2,
+                 bias1, bias2, k_scale_ahead, k_zero_ahead,
                  v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
                  v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi,
                  HALF: tl.constexpr, G_PAD: tl.constexpr,
@@ -196,7 +207,8 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
     HEAD_DIM] rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the slot's offset from the tile's
     first position `start`), scored as keys @ [q1r; q2r] (R(-start)q, the G_PAD query columns), then acc += pᵀ C_v.
     ordered: the tile's positions are known to be start + δ (else each slot whose position is not turns on by the
-    rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile)."""
+    rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile).
+    k_scale_ahead, k_zero_ahead: the key codes' scales and zero points, loaded a tile ahead (None: loaded here)."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
     delta = tl.arange(0, BLOCK_S)
     slots = t0 + delta
@@ -207,7 +219,8 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
         latent = latent_tile(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
                              k_exact_ptr, k_ex_sb, k_ex_ss, b, t0, slots, slot_ok, k_lo + c, k_hi, length,
                              k_width, k_sinks, k_window, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-                             K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0, K_PACKED)
+                             K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0, K_PACKED, k_scale_ahead,
+                             k_zero_ahead)
         if ONE_K_CHUNK:
             right1, right2 = up1, up2
         else:
@@ -329,7 +342,17 @@ def latent_decode_kernel(
     # the queries turned to the tile's first position
     qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first, inv_freq_ptr, GROUP_HEADS, G_PAD, HALF, HAS_ROPE,
                                FAST_MATH)
+    AHEAD: tl.constexpr = K_PACKED and ONE_K_CHUNK  # the key codes' scales loaded a tile ahead
+    K_EVEN: tl.constexpr = K_BLOCK_RANK % K_CHUNK == 0
+    k_scale, k_zero = None, None  # else each tile loads them itself
+    if AHEAD:
+        k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, mid_lo, mid_hi, k_lo, k_hi,
+                                      K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
     for t0 in range(mid_lo, mid_hi, BLOCK_S):
+        next_scale, next_zero = None, None
+        if AHEAD:
+            next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0 + BLOCK_S, mid_hi,
+                                                k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
         if ordered:
             start = first + (t0 - mid_lo)
             pos = start + delta
@@ -347,7 +370,8 @@ def latent_decode_kernel(
             m_i, sums, acc, t0, pos, start, ordered, mid_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
             cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
             k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-            k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2,
+            k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale,
+            k_zero,
             v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
             v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
             K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
@@ -356,6 +380,7 @@ def latent_decode_kernel(
         if HAS_ROPE:
             qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
                         qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
+        k_scale, k_zero = next_scale, next_zero
     if K_EXACT or V_EXACT:  # the edge tiles [s_lo, mid_lo) and [mid_hi, cached_hi), one after the other
         first_edge = tl.cdiv(tl.maximum(mid_lo - s_lo, 0), BLOCK_S)
         for tile in range(0, first_edge + tl.cdiv(cached_hi - mid_hi, BLOCK_S)):
@@ -369,7 +394,7 @@ def latent_decode_kernel(
                 inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                 k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
-                bias2,
+                bias2, None, None,
                 v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
                 v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,

@@ -161,20 +161,33 @@ def packed_order(CHUNK: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def packed_scales(scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                  EVEN: tl.constexpr):
+    """float16 (scales, zero points) [BLOCK_S, CHUNK // GROUP] of packed_tile's groups (0 for groups at or past
+    ch_hi)."""
+    group = ch0 // GROUP + tl.arange(0, CHUNK // GROUP)
+    ok = slot_ok[:, None] & ((group >= 0) if EVEN else (group * GROUP < ch_hi))[None, :]
+    at = scale_rows[:, None] + group[None, :]
+    return (tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float16),
+            tl.load(zero_ptr + at, mask=ok, other=0.0).to(tl.float16))
+
+
+@triton.jit
 def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi,
                 BITS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                EVEN: tl.constexpr):
+                EVEN: tl.constexpr, scale=None, zero=None):
     """float16 latents [BLOCK_S, CHUNK] of channels ch0 + packed_order (ch0, CHUNK and ch_hi multiples of GROUP,
     itself a multiple of 8 for 4 bits, of 32 for 3; CHUNK of 32), from codes read as int32 words (rows: each
     slot's byte offset, a multiple of 4) and dequantized two at a time in float16 registers (FOUR_BIT_ASM,
     THREE_BIT_ASM_*). Exact where the reference's float32 result rounds to the same float16, as codes and float16
-    scales make likely."""
+    scales make likely. scale, zero: the groups' (packed_scales), where the caller loaded them ahead."""
     GROUPS: tl.constexpr = CHUNK // GROUP
     words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     group = ch0 // GROUP + tl.arange(0, GROUPS)
     ok = slot_ok[:, None] & ((group >= 0) if EVEN else (group * GROUP < ch_hi))[None, :]
-    scale = tl.load(scale_ptr + scale_rows[:, None] + group[None, :], mask=ok, other=0.0).to(tl.float16)[:, :, None]
-    zero = tl.load(zero_ptr + scale_rows[:, None] + group[None, :], mask=ok, other=0.0).to(tl.float16)[:, :, None]
+    if scale is None:
+        scale, zero = packed_scales(scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi, GROUP, CHUNK, EVEN)
+    scale, zero = scale[:, :, None], zero[:, :, None]
     ok = ok[:, :, None]
     if BITS == 4:  # thread t of a dot operand's 4 takes channel pairs 2t, 2t + 1 mod 8: whole words of its own
         WORDS: tl.constexpr = CHUNK // 32
@@ -250,7 +263,7 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
 def _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi,
                width, BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, CHANNEL: tl.constexpr,
                OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
-               EVEN: tl.constexpr, PACKED: tl.constexpr):
+               EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
     """The cache's latents [BLOCK_S, CHUNK] of `slots` (columns `ch`) in DTYPE: 16-bit, or codes dequantized."""
     if BITS == 16:
         at = lat_ptr + b * lat_sb + slots[:, None] * lat_ss + ch[None, :]
@@ -260,7 +273,7 @@ def _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, sl
             values = tl.load(at, mask=slot_ok[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
     elif PACKED:
         values = packed_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
-                             slot_ok, ch0, ch_hi, BITS, GROUP, CHUNK, BLOCK_S, EVEN)
+                             slot_ok, ch0, ch_hi, BITS, GROUP, CHUNK, BLOCK_S, EVEN, scale, zero)
     elif FAST:
         values = grouped_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
                                slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE, EVEN)
@@ -276,11 +289,12 @@ def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exac
                  b, first, slots, slot_ok, ch0, ch_hi, length, width, sinks, window,
                  BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
                  CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
+                 DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
     reference reads them: dequantized codes, or the exact copy where the cache holds one.
     FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). PACKED: float16
-    latents from int32 words (packed_tile), columns in packed_order. EVEN: every channel of the chunk is below
+    latents from int32 words (packed_tile), columns in packed_order; scale, zero: its groups' scales and zero
+    points where the caller loaded them ahead (packed_scales). EVEN: every channel of the chunk is below
     ch_hi, so only the slots are masked and the loads stay wide.
     A tile holding exact copies (sinks, window) reads its codes again inside its branch, for the slots it does not
     hold: the tiles without any then take the codes straight into the layout their dot wants."""
@@ -290,7 +304,8 @@ def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exac
         ch = ch0 + tl.arange(0, CHUNK)
     ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
     values = _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok, ch, ch_ok,
-                        ch0, ch_hi, width, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED)
+                        ch0, ch_hi, width, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED,
+                        scale, zero)
     if EXACT:
         if (first < sinks) | (first + BLOCK_S > length - 1 - window):
             in_window = slots >= length - window  # never below length - 1 when window is 0
