@@ -43,10 +43,32 @@ def _dispatch(implementation: str, on_cuda: bool, kernel, reference_op):
     return reference_op()
 
 
+# the library the hot ops are defined in (`_direct_op`); custom_op keeps fragments of its own in the same namespace
+_LIBRARY = torch.library.Library("lrkv", "FRAGMENT")
+
+
+def _direct_op(mutates_args=()):
+    """Define the decorated function as the op lrkv::<its name>, with the schema its signature declares and itself
+    as the implementation on every device, through the low-level torch.library API (as vLLM registers its hot
+    ops). The ops called once per layer and decode step take this path: custom_op's Python layers around each call
+    (autograd, version bumps over an argument walk quadratic in the count of arguments, alias checks) cost ~0.1-0.2
+    ms a call on a GPU host, and the default mode pays that per layer and step. These ops have no autograd (the
+    model decodes under no_grad; an op without an autograd kernel warns if backpropagated through). Returns the
+    function, as custom_op returns its definition."""
+    def decorator(fn):
+        _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        _LIBRARY.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        fn._lrkv_op = f"lrkv::{fn.__name__}"
+        return fn
+    return decorator
+
+
 def _fake(op):
-    """Register the decorated function as `op`'s fake, called with the op's arguments bound by name to the op's own
-    signature (defaults applied), so the fake names only the arguments it reads (and **_ for the rest)."""
-    signature = inspect.signature(op._init_fn)  # the function custom_op decorated: the op's one declaration
+    """Register the decorated function as `op`'s fake (a custom_op definition, or a `_direct_op` function), called
+    with the op's arguments bound by name to the op's own signature (defaults applied), so the fake names only the
+    arguments it reads (and **_ for the rest)."""
+    declaration = getattr(op, "_init_fn", op)  # the function that declared the op
+    signature = inspect.signature(declaration)
 
     def decorator(fn):
         def fake(*args, **kwargs):
@@ -54,7 +76,10 @@ def _fake(op):
             bound.apply_defaults()
             return fn(**bound.arguments)
 
-        op.register_fake(fake)
+        if hasattr(declaration, "_lrkv_op"):
+            torch.library.register_fake(declaration._lrkv_op, fake, lib=_LIBRARY)
+        else:
+            op.register_fake(fake)
         return fn
 
     return decorator
@@ -81,9 +106,8 @@ def _(key_states, value_states, positions, **_):
             value_states.new_empty(batch, value_states.shape[1], slots, value_states.shape[-1]))
 
 
-@torch.library.custom_op("lrkv::latent_write", mutates_args=("latent_k", "k_scale", "k_zero", "k_exact", "latent_v",
-                                                             "v_scale", "v_zero", "v_exact", "positions",
-                                                             "rope_rows"))
+@_direct_op(mutates_args=("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                          "positions", "rope_rows"))
 def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Tensor, latent_v: Tensor,
                  v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor, new_k: Tensor, new_v: Tensor,
                  new_positions: Optional[Tensor], length: Tensor, k_bits: int, k_group: int, k_sinks: int,
@@ -107,7 +131,7 @@ def _(**_):
     return None  # it only writes the cache, in place
 
 
-@torch.library.custom_op("lrkv::latent_attention", mutates_args=())
+@_direct_op()
 def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Tensor,
                      latent_v: Tensor, v_scale: Tensor, v_zero: Tensor, v_exact: Tensor, positions: Tensor,
                      new_k: Tensor, new_v: Tensor, up_k: Tensor, bias_k: Optional[Tensor], up_v: Optional[Tensor],

@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.runtime.errors import OutOfResources
 
 from lrkv_compile.kernels import latent_decode
+from .launch import launch as launch_kernel
 
 BITS = (16, 8, 4, 3, 2)
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -78,27 +79,42 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_RESIDENT = {}  # (device, launch constants) -> programs of the compiled kernel one multiprocessor holds at once
+_GEOMETRY = {}  # (device, constants, config) -> (launch options, programs resident per multiprocessor, compiled)
+_COMBINE = {}  # combine_splits_kernel's constants -> its compiled kernels (`launch.launch`)
 
 
 def _resident(kernel, args, constants, device) -> int:
     """How many programs of this compiled kernel fit on one multiprocessor at once: the least of what its
     registers, shared memory and warps allow."""
-    key = (device, tuple(sorted((name, str(value)) for name, value in constants.items())))
-    if key not in _RESIDENT:
-        if device.type != "cuda":  # the interpreter: as many as keep its tests splitting the slots
-            _RESIDENT[key] = 4
-        else:
-            compiled = kernel.warmup(*args, grid=(1,), **constants)
-            compiled._init_handles()  # loads the binary: n_regs is known from here
-            props = torch.cuda.get_device_properties(device)
-            warps = compiled.metadata.num_warps
-            per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # registers go to warps 256 at a time
-            by_registers = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
-            by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
-            by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-            _RESIDENT[key] = max(1, min(by_registers, by_shared, by_threads, 32))
-    return _RESIDENT[key]
+    if device.type != "cuda":  # the interpreter: as many as keep its tests splitting the slots
+        return 4
+    compiled = kernel.warmup(*args, grid=(1,), **constants)
+    compiled._init_handles()  # loads the binary: n_regs is known from here
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # registers go to warps 256 at a time
+    by_registers = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_registers, by_shared, by_threads, 32))
+
+
+def _geometry(kernel, args, constants, config, device, bf16_codes, interpret):
+    """(launch options, resident programs per multiprocessor) of `config` for these constants, or of FALLBACK where
+    the compiled kernel does not fit (wide joint chunks); args: a launch's arguments, for the trial compile."""
+    launch = dict(BLOCK_S=config.block_s, num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers is not None and not interpret:
+        launch.update(maxnreg=config.max_registers)
+    try:
+        return launch, _resident(kernel, args, {**constants, **launch}, device)
+    except OutOfResources:  # a geometry too large for this shape: the smallest one
+        if bf16_codes:
+            # bfloat16 codes in 16-slot tiles read wrong on an H200 (Triton 3.6), whatever the warps and stages;
+            # 32-slot tiles, float16 and 16-bit latents read right (tests/test_kernels.py, the tile-by-tile test)
+            raise NotImplementedError("bfloat16 quantized latents at the fallback launch geometry (16-slot tiles): "
+                                      "a known wrong result on the GPU, not found yet") from None
+        launch = dict(BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps, num_stages=FALLBACK.num_stages)
+        return launch, _resident(kernel, args, {**constants, **launch}, device)
 
 
 def _splits(base: int, slots: int, capacity: int, block_s: int) -> int:
@@ -270,32 +286,26 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32)
     if config is None:
         config = default_config(half_keys, k_bits != 16 or v_bits != 16)
-    scratch = torch.empty(1, dtype=torch.float32, device=device)
-    launch = dict(BLOCK_S=config.block_s, num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.max_registers is not None and not interpret:
-        launch.update(maxnreg=config.max_registers)
-    try:
-        resident = _resident(kernel, arguments(2, scratch, scratch, scratch), {**constants, **launch}, device)
-    except OutOfResources:  # a geometry too large for this shape (wide joint chunks): the smallest one
-        if query.dtype == torch.bfloat16 and (k_bits != 16 or v_bits != 16) and not interpret:
-            # bfloat16 codes in 16-slot tiles read wrong on an H200 (Triton 3.6), whatever the warps and stages;
-            # 32-slot tiles, float16 and 16-bit latents read right (tests/test_kernels.py, the tile-by-tile test)
-            raise NotImplementedError("bfloat16 quantized latents at the fallback launch geometry (16-slot tiles): "
-                                      "a known wrong result on the GPU, not found yet") from None
-        launch = dict(BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps, num_stages=FALLBACK.num_stages)
-        resident = _resident(kernel, arguments(2, scratch, scratch, scratch), {**constants, **launch}, device)
+    geometry_key = (device, tuple(constants.values()), config)
+    if geometry_key not in _GEOMETRY:
+        scratch = torch.empty(1, dtype=torch.float32, device=device)
+        bf16_codes = query.dtype == torch.bfloat16 and (k_bits != 16 or v_bits != 16) and not interpret
+        _GEOMETRY[geometry_key] = (*_geometry(kernel, arguments(2, scratch, scratch, scratch), constants, config,
+                                              device, bf16_codes, interpret), {})
+    launch, resident, compiled = _GEOMETRY[geometry_key]
     splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
     rows = batch * num_kv_heads * splits * group
     part_acc = torch.empty(rows * v_range, dtype=torch.float32, device=device)
     part_max = torch.empty(rows, dtype=torch.float32, device=device)
     part_sum = torch.empty(rows, dtype=torch.float32, device=device)
-    kernel[(batch * num_kv_heads, splits, v_parts)](*arguments(splits, part_acc, part_max, part_sum), **constants,
-                                                    **launch)
+    launch_kernel(kernel, (batch * num_kv_heads, splits, v_parts), arguments(splits, part_acc, part_max, part_sum),
+                  {**constants, **launch}, compiled)
     context = torch.empty(batch * heads, v_range, dtype=torch.float32, device=device)
     chunk = min(_pow2(v_range), 256)
-    latent_decode.combine_splits_kernel[(batch * heads, triton.cdiv(v_range, chunk))](
-        part_acc, part_max, part_sum, context, splits, GROUP_HEADS=group, RANGE=v_range,
-        SPLITS_PAD=_pow2(splits), CHUNK=chunk)
+    combine = dict(GROUP_HEADS=group, RANGE=v_range, SPLITS_PAD=_pow2(splits), CHUNK=chunk)
+    launch_kernel(latent_decode.combine_splits_kernel, (batch * heads, triton.cdiv(v_range, chunk)),
+                  (part_acc, part_max, part_sum, context, splits), combine,
+                  _COMBINE.setdefault(tuple(combine.values()), {}))
     return _project_values(context.view(batch, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
 
 

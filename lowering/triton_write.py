@@ -11,7 +11,10 @@ import torch
 import triton
 
 from lrkv_compile.kernels import latent_write as kernels
+from .launch import launch
 from .reference import _check_room
+
+_COMPILED = {}  # the write kernel's constants -> its compiled kernels (`launch.launch`)
 
 
 def _side_constants(name, latent, new, bits, group, axis, outliers):
@@ -56,7 +59,8 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
         write_positions = name == "k" and new_positions is not None
         source = new_positions if write_positions else positions
         quantized = bits != 16
-        kernels.latent_write_kernel[(batch, tokens)](
+        side_constants = dict(**const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions)
+        launch(kernels.latent_write_kernel, (batch, tokens), (
             new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
             scale if quantized else latent, zero if quantized else latent,
             scale.stride(0) if quantized else 0, scale.stride(1) if quantized else 0,
@@ -64,5 +68,5 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
             exact.stride(1) if exact.numel() else 0, length, tokens, latent.shape[1], sinks,
             exact.shape[1] - sinks if exact.numel() else 0,
             positions, positions.stride(0), source,
-            source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0,
-            **const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions)
+            source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
+            side_constants, _COMPILED.setdefault(tuple(side_constants.values()), {}))

@@ -176,6 +176,14 @@ BASE = dict(batch=2, kv_heads=2, group_heads=4, head_dim=64, dtype=torch.float32
             absorb=False)
 
 
+def test_the_attention_op_passes_opcheck():
+    """lrkv::latent_attention is defined through the low-level torch.library API (`ops._direct_op`): its schema,
+    fake and dispatch pass PyTorch's own op checks (on the GPU on the kernel, else on the reference)."""
+    case = build_case(**{**BASE, "length": 40})
+    results = torch.library.opcheck(torch.ops.lrkv.latent_attention.default, (), {**case, "implementation": "auto"})
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_heads", [1, 4])
 def test_long_contexts_split_and_keep_late_positions_exact(dtype, group_heads):

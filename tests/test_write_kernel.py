@@ -60,6 +60,24 @@ def test_the_triton_write_stores_the_reference_bytes(k_bits, v_bits, group, sink
             assert torch.equal(got, want), f"{name} differs after {start} tokens"
 
 
+def test_the_write_op_passes_opcheck():
+    """lrkv::latent_write is defined through the low-level torch.library API (`ops._direct_op`): PyTorch's op checks
+    find that it writes exactly the buffers its schema says it mutates, and that its fake and dispatch agree."""
+    generator = torch.Generator().manual_seed(0)
+    layout = dict(k_bits=4, k_group=32, k_sinks=4, k_axis="token", k_outliers=0, v_bits=3, v_group=32, v_sinks=4,
+                  v_axis="token", v_outliers=0)
+    buffers = _buffers(3, 24, 24, 32, 64, dict(layout, window=2), torch.float16, generator)
+    arguments = dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                          "positions"), buffers),
+                     new_k=torch.randn(2, 3, 32, generator=generator).half().to(DEVICE),
+                     new_v=torch.randn(2, 3, 64, generator=generator).half().to(DEVICE),
+                     new_positions=torch.arange(3, device=DEVICE)[None].repeat(2, 1),
+                     length=torch.tensor(5, device=DEVICE), **layout, rope_rows=buffers[0][:0], new_cos=None,
+                     new_sin=None, implementation="auto")
+    results = torch.library.opcheck(torch.ops.lrkv.latent_write.default, (), arguments)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
 @pytest.mark.parametrize("change, what", [
     (dict(k_axis="channel"), "k_axis='channel'"), (dict(v_outliers=8), "v_outliers=8"),
     (dict(k_group=12), "k_group=12"), (dict(tokens=20), "ring of fewer slots")])
