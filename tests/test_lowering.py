@@ -1,5 +1,6 @@
 """The backend's lowering stage: Inductor around the rewritten graph (the default on CUDA; forced here on CPU, or
 chosen by an Inductor mode)."""
+import pytest
 import torch
 
 import lrkv_compile as lrkv
@@ -62,3 +63,34 @@ def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypa
     symbolic = [value for value in seen[0] if isinstance(value, torch.SymInt)
                 or isinstance(value, torch.Tensor) and not all(isinstance(size, int) for size in value.shape)]
     assert not symbolic, f"{len(symbolic)} symbolic inputs: {symbolic[:3]}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; on CPU the first test runs "
+                    "mode='reduce-overhead' through Inductor without them, and test_cache.py writes channel-axis "
+                    "blocks on meta tensors (the write reads nothing on the host)")
+def test_cuda_graphs_replay_decode_steps_of_a_channel_axis_plan():
+    """mode="reduce-overhead" captures and replays decode steps whose write quantizes keys per channel over blocks of
+    8 slots (the reference write: the Triton write quantizes per token) while the Triton kernel reads them: 12
+    steps from a 5-token prompt cross the blocks' edges, and each step's logits match the uncompiled graph run on
+    the reference ops."""
+    model = build_model(dict(num_key_value_heads=2, num_attention_heads=8, head_dim=64, hidden_size=128,
+                             attention_bias=False, num_hidden_layers=2, dtype=torch.float16, seed=0)).cuda()
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, bits=4, group=8, axis_k="channel", progress=False)
+    from torch._dynamo.utils import counters
+
+    prompt = torch.randint(0, VOCAB, (2, 5), device="cuda")
+    counters.clear()
+    logits, tokens = {}, None  # the reference's greedy tokens, fed to both
+    for name, options in {"reference": dict(inductor=False, kernels="reference"),
+                          "cuda graphs": dict(mode="reduce-overhead")}.items():
+        cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
+        lm = lrkv.compile(model, plan, **options)
+        steps, chosen, token = [], [], prompt
+        with torch.no_grad():
+            for step in range(13):
+                steps.append(lm(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].float().clone())
+                token = steps[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
+                chosen.append(token)
+        logits[name], tokens = torch.stack(steps), chosen
+    assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"
+    torch.testing.assert_close(logits["cuda graphs"], logits["reference"], atol=2e-2, rtol=2e-2)
