@@ -3,28 +3,36 @@
 `kernel[grid](*args, **constants)` binds and specializes every argument on each call (~60 us for the decode
 kernel's 83 parameters on an H200 host, measured against ~18 us for the compiled kernel's own launch), and a decode
 step launches these kernels once per layer. `launch` keeps the compiled kernel Triton returns per set of constants
-and per key of the arguments, and launches it directly from then on. The key is finer than what Triton specializes
-on (a tensor's dtype and whether its address is a multiple of 16; an integer's value where it is 1 or a multiple of
-16): each tensor's dtype and address modulo 256, each integer's value. Under the interpreter, and with a Triton whose
-compiled kernels take other arguments than the kernel's parameters (before 3.3), it is the plain launch.
+and per key of the arguments, and launches it directly from then on. The key (`_specialization`) is finer than what
+Triton specializes on (checked against Triton 3.6 and 3.9): each tensor's dtype and address modulo 256, each
+integer's value, bools apart from integers. The direct launch skips what Triton's own launch re-reads each time (its
+debug and instrumentation settings, changed globals). Under the interpreter, for arguments the key does not cover,
+and with a Triton whose compiled kernels take other arguments than the kernel's parameters (before 3.3), it is the
+plain launch.
 """
 import os
 
 import torch
 
 
-def _specialization(args) -> tuple:
+def _specialization(args):
     """A key of these arguments at least as fine as what Triton compiles a kernel for: a tensor's dtype and address
     modulo 256 (Triton specializes on a multiple of 16), an integer's value (Triton specializes 1 and multiples of
-    16, and picks the integer type by range)."""
+    16, and picks the integer type by range), a bool's value apart from the integers', a float's type (Triton never
+    specializes on its value), None. None for arguments of any other kind (tuples, constexprs): those launches stay
+    Triton's."""
     key = []
     for value in args:
         if isinstance(value, torch.Tensor):
             key.append((value.dtype, value.data_ptr() % 256))
-        elif isinstance(value, (int, bool)) or value is None:
+        elif isinstance(value, bool):
+            key.append((bool, value))
+        elif isinstance(value, int) or value is None:
             key.append(value)
-        else:  # floats: never specialized
-            key.append(type(value))
+        elif isinstance(value, float):
+            key.append(float)
+        else:
+            return None
     return tuple(key)
 
 
@@ -35,7 +43,11 @@ def launch(kernel, grid, args, constants: dict, compiled: dict) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernel[grid](*args, **constants)
         return
-    key = (torch.cuda.current_device(), _specialization(args))
+    specialization = _specialization(args)
+    if specialization is None:
+        kernel[grid](*args, **constants)
+        return
+    key = (torch.cuda.current_device(), specialization)
     entry = compiled.get(key)
     if entry is None:
         binary = kernel[grid](*args, **constants)

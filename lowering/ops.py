@@ -52,9 +52,10 @@ def _direct_op(mutates_args=()):
     as the implementation on every device, through the low-level torch.library API (as vLLM registers its hot
     ops). The ops called once per layer and decode step take this path: custom_op's Python layers around each call
     (autograd, version bumps over an argument walk quadratic in the count of arguments, alias checks) cost ~0.1-0.2
-    ms a call on a GPU host, and the default mode pays that per layer and step. These ops have no autograd (the
-    model decodes under no_grad; an op without an autograd kernel warns if backpropagated through). Returns the
-    function, as custom_op returns its definition."""
+    ms a call on a GPU host, and the default mode pays that per layer and step. These ops have no autograd formula
+    (the model decodes under no_grad): with grad enabled their outputs carry PyTorch's fallback, which warns when
+    backpropagated through (and at compile time), where a custom_op raised. Returns the function itself, whose
+    direct calls run its body without the dispatcher: call the op as torch.ops.lrkv.<name>, as the rewrite does."""
     def decorator(fn):
         _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates_args))
         _LIBRARY.impl(fn.__name__, fn, "CompositeExplicitAutograd")
