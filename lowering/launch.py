@@ -2,8 +2,8 @@
 
 `kernel[grid](*args, **constants)` binds and specializes every argument on each call (~60 us for the decode
 kernel's 83 parameters on an H200 host, measured against ~18 us for the compiled kernel's own launch), and a decode
-step launches these kernels once per layer. `launch` keeps the compiled kernel Triton returns per set of constants
-and per key of the arguments, and launches it directly from then on. The key (`_specialization`) is finer than what
+step launches these kernels once per layer. `launch` keeps the compiled kernel Triton returns per kernel, device, set
+of constants and key of the arguments, and launches it directly from then on. The key (`_specialization`) is finer than what
 Triton specializes on (checked against Triton 3.6 and 3.9): each tensor's dtype and address modulo 256, each
 integer's value, bools apart from integers. The direct launch skips what Triton's own launch re-reads each time (its
 debug and instrumentation settings, changed globals). Under the interpreter, for arguments the key does not cover,
@@ -13,6 +13,8 @@ plain launch.
 import os
 
 import torch
+
+_COMPILED = {}  # (kernel, device, constants, key of the arguments) -> (compiled kernel, trailing constexprs)
 
 
 def _specialization(args):
@@ -36,10 +38,9 @@ def _specialization(args):
     return tuple(key)
 
 
-def launch(kernel, grid, args, constants: dict, compiled: dict) -> None:
+def launch(kernel, grid, args, constants: dict) -> None:
     """kernel[grid](*args, **constants), where `args` are the kernel's leading parameters by position and
-    `constants` the rest of them (its constexprs) and the launch options, by name. `compiled` is the caller's
-    cache for this kernel and these constants (a dict it keeps per set of constants)."""
+    `constants` the rest of them (its constexprs) and the launch options, by name."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernel[grid](*args, **constants)
         return
@@ -47,8 +48,8 @@ def launch(kernel, grid, args, constants: dict, compiled: dict) -> None:
     if specialization is None:
         kernel[grid](*args, **constants)
         return
-    key = (torch.cuda.current_device(), specialization)
-    entry = compiled.get(key)
+    key = (kernel, torch.cuda.current_device(), tuple(constants.items()), specialization)
+    entry = _COMPILED.get(key)
     if entry is None:
         binary = kernel[grid](*args, **constants)
         rest = kernel.params[len(args):]
@@ -56,7 +57,7 @@ def launch(kernel, grid, args, constants: dict, compiled: dict) -> None:
         direct = (list(signature) == list(kernel.arg_names)
                   and all(parameter.is_constexpr and (parameter.name in constants or parameter.has_default)
                           for parameter in rest))
-        compiled[key] = entry = (binary, [constants.get(p.name, p.default) for p in rest]) if direct else (None, None)
+        _COMPILED[key] = (binary, [constants.get(p.name, p.default) for p in rest]) if direct else (None, None)
         return
     binary, trailing = entry
     if binary is None:

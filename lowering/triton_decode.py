@@ -79,8 +79,7 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_GEOMETRY = {}  # (device, constants, config) -> (launch options, programs resident per multiprocessor, compiled)
-_COMBINE = {}  # combine_splits_kernel's constants -> its compiled kernels (`launch.launch`)
+_GEOMETRY = {}  # (device, constants, config) -> (launch options, programs resident per multiprocessor)
 
 
 def _resident(kernel, args, constants, device) -> int:
@@ -290,22 +289,21 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     if geometry_key not in _GEOMETRY:
         scratch = torch.empty(1, dtype=torch.float32, device=device)
         bf16_codes = query.dtype == torch.bfloat16 and (k_bits != 16 or v_bits != 16) and not interpret
-        _GEOMETRY[geometry_key] = (*_geometry(kernel, arguments(2, scratch, scratch, scratch), constants, config,
-                                              device, bf16_codes, interpret), {})
-    launch, resident, compiled = _GEOMETRY[geometry_key]
+        _GEOMETRY[geometry_key] = _geometry(kernel, arguments(2, scratch, scratch, scratch), constants, config,
+                                            device, bf16_codes, interpret)
+    launch, resident = _GEOMETRY[geometry_key]
     splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
     rows = batch * num_kv_heads * splits * group
     part_acc = torch.empty(rows * v_range, dtype=torch.float32, device=device)
     part_max = torch.empty(rows, dtype=torch.float32, device=device)
     part_sum = torch.empty(rows, dtype=torch.float32, device=device)
     launch_kernel(kernel, (batch * num_kv_heads, splits, v_parts), arguments(splits, part_acc, part_max, part_sum),
-                  {**constants, **launch}, compiled)
+                  {**constants, **launch})
     context = torch.empty(batch * heads, v_range, dtype=torch.float32, device=device)
     chunk = min(_pow2(v_range), 256)
-    combine = dict(GROUP_HEADS=group, RANGE=v_range, SPLITS_PAD=_pow2(splits), CHUNK=chunk)
     launch_kernel(latent_decode.combine_splits_kernel, (batch * heads, triton.cdiv(v_range, chunk)),
-                  (part_acc, part_max, part_sum, context, splits), combine,
-                  _COMBINE.setdefault(tuple(combine.values()), {}))
+                  (part_acc, part_max, part_sum, context, splits),
+                  dict(GROUP_HEADS=group, RANGE=v_range, SPLITS_PAD=_pow2(splits), CHUNK=chunk))
     return _project_values(context.view(batch, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
 
 

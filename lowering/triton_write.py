@@ -14,8 +14,6 @@ from lrkv_compile.kernels import latent_write as kernels
 from .launch import launch
 from .reference import _check_room
 
-_COMPILED = {}  # the write kernel's constants -> its compiled kernels (`launch.launch`)
-
 
 def _side_constants(name, latent, new, bits, group, axis, outliers):
     """The kernel's constants for one side, or NotImplementedError for a layout it does not write."""
@@ -59,7 +57,6 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
         write_positions = name == "k" and new_positions is not None
         source = new_positions if write_positions else positions
         quantized = bits != 16
-        side_constants = dict(**const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions)
         launch(kernels.latent_write_kernel, (batch, tokens), (
             new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
             scale if quantized else latent, zero if quantized else latent,
@@ -69,4 +66,4 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
             exact.shape[1] - sinks if exact.numel() else 0,
             positions, positions.stride(0), source,
             source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
-            side_constants, _COMPILED.setdefault(tuple(side_constants.values()), {}))
+            dict(**const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions))

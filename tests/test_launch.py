@@ -48,9 +48,9 @@ def _compiled_launches(monkeypatch):
 
 
 def test_the_same_specialization_launches_the_compiled_kernel_directly():
-    kernel, cache, x = Kernel(), {}, torch.zeros(64, dtype=torch.float16)
-    launch.launch(kernel, (4, 2), (x, 32, 0.5), dict(BLOCK=16, num_warps=4), cache)
-    launch.launch(kernel, (4, 2), (x, 32, 0.25), dict(BLOCK=16, num_warps=4), cache)  # a float is not specialized
+    kernel, x = Kernel(), torch.zeros(64, dtype=torch.float16)
+    launch.launch(kernel, (4, 2), (x, 32, 0.5), dict(BLOCK=16, num_warps=4))
+    launch.launch(kernel, (4, 2), (x, 32, 0.25), dict(BLOCK=16, num_warps=4))  # a float is not specialized
     assert [entry[0] for entry in kernel.launches] == ["jit", "direct"]
     assert kernel.launches[1][1] == (4, 2, 1)  # the compiled kernel takes three grid dimensions
     assert kernel.launches[1][2][1:] == (32, 0.25, 16, 1024)  # the constexprs after, their defaults filled in
@@ -61,33 +61,33 @@ def test_what_triton_specializes_on_goes_through_triton_again(change):
     """A tensor's address (modulo 256: finer than Triton's 16-byte alignment) or dtype, an integer's value (Triton
     specializes 1 and multiples of 16; the key takes the value), a bool where an integer was (True == 1 in Python;
     Triton compiles them apart): a launch that differs goes through Triton, and the next one like it is direct."""
-    kernel, cache, x = Kernel(), {}, torch.zeros(64, dtype=torch.float16)
-    launch.launch(kernel, (1,), (x, 1, 0.5), dict(BLOCK=16), cache)
+    kernel, x = Kernel(), torch.zeros(64, dtype=torch.float16)
+    launch.launch(kernel, (1,), (x, 1, 0.5), dict(BLOCK=16))
     other = {"misaligned": (x[1:], 1, 0.5), "aligned elsewhere": (x[8:], 1, 0.5), "dtype": (x.float(), 1, 0.5),
              "one": (x, 2, 0.5), "odd": (x, 33, 0.5), "bool": (x, True, 0.5)}[change]
-    launch.launch(kernel, (1,), other, dict(BLOCK=16), cache)
-    launch.launch(kernel, (1,), other, dict(BLOCK=16), cache)
+    launch.launch(kernel, (1,), other, dict(BLOCK=16))
+    launch.launch(kernel, (1,), other, dict(BLOCK=16))
     assert [entry[0] for entry in kernel.launches] == ["jit", "jit", "direct"]
 
 
 def test_a_compiled_kernel_of_other_parameters_keeps_the_triton_launch():
     """Triton before 3.3 compiles kernels that take only the runtime arguments: every launch goes through Triton."""
-    kernel, cache, x = Kernel(binary_names=["x_ptr", "n", "scale"]), {}, torch.zeros(64)
+    kernel, x = Kernel(binary_names=["x_ptr", "n", "scale"]), torch.zeros(64)
     for _ in range(3):
-        launch.launch(kernel, (1,), (x, 32, 0.5), dict(BLOCK=16), cache)
+        launch.launch(kernel, (1,), (x, 32, 0.5), dict(BLOCK=16))
     assert [entry[0] for entry in kernel.launches] == ["jit"] * 3
 
 
 def test_arguments_the_key_does_not_cover_keep_the_triton_launch():
-    kernel, cache, x = Kernel(), {}, torch.zeros(64)
+    kernel, x = Kernel(), torch.zeros(64)
     for _ in range(2):
-        launch.launch(kernel, (1,), (x, (1, 32), 0.5), dict(BLOCK=16), cache)
+        launch.launch(kernel, (1,), (x, (1, 32), 0.5), dict(BLOCK=16))
     assert [entry[0] for entry in kernel.launches] == ["jit"] * 2
 
 
 def test_the_interpreter_keeps_the_triton_launch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel, cache, x = Kernel(), {}, torch.zeros(64)
+    kernel, x = Kernel(), torch.zeros(64)
     for _ in range(2):
-        launch.launch(kernel, (1,), (x, 32, 0.5), dict(BLOCK=16), cache)
+        launch.launch(kernel, (1,), (x, 32, 0.5), dict(BLOCK=16))
     assert [entry[0] for entry in kernel.launches] == ["jit"] * 2
