@@ -7,7 +7,8 @@ layer; random orthonormal factors; caches written by the reference write op (the
 
 Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
 the full fp16 cache over the bytes lrkv reads: latents, scales and zero points, positions), lrkv_TBps (bytes lrkv
-reads over its time), copy_TBps. The issue's target at context >= 16K: speedup >= 0.85 x bytes_ratio for 16-bit
+reads over its time), copy_TBps, rope_window (the "w1024" plans: windowed RoPE beyond 1024 tokens, whose far
+slots score against their latents without rebuilding keys). The issue's target at context >= 16K: speedup >= 0.85 x bytes_ratio for 16-bit
 plans, >= 0.8 x for the budget plan. --sweep first times launch geometries at 16K and uses the fastest per plan.
 Writes benchmarks/results/attention-<gpu>.json; never asserts timings.
 """
@@ -28,10 +29,16 @@ from lrkv_compile.lowering.triton_decode import CANDIDATES, decode_attention_wit
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
 SETTINGS = [(16, 4096), (16, 16384), (4, 65536)]
-PLANS = [  # scheme, keep of K and V channels, bits, quantization group, exact sink tokens
+PLANS = [  # scheme, keep of K and V channels, bits, quantization group, exact sink tokens (, windowed RoPE)
     dict(plan="head keep 0.5", scheme="head", keep_k=0.5, keep_v=0.5, k_bits=16, v_bits=16, group=0, sinks=0),
     dict(plan="head keep 0.25", scheme="head", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0, sinks=0),
     dict(plan="budget 0.2", scheme="head", keep_k=0.5, keep_v=1.0, k_bits=4, v_bits=3, group=32, sinks=4),
+    dict(plan="head keep 0.5 w1024", scheme="head", keep_k=0.5, keep_v=0.5, k_bits=16, v_bits=16, group=0, sinks=0,
+         rope_window=1024),
+    dict(plan="head keep 0.25 w1024", scheme="head", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0,
+         sinks=0, rope_window=1024),
+    dict(plan="budget 0.2 w1024", scheme="head", keep_k=0.5, keep_v=1.0, k_bits=4, v_bits=3, group=32, sinks=4,
+         rope_window=1024),
     dict(plan="joint keep 0.5", scheme="joint", keep_k=0.5, keep_v=0.5, k_bits=16, v_bits=16, group=0, sinks=0),
     dict(plan="joint keep 0.25", scheme="joint", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0, sinks=0),
 ]
@@ -96,7 +103,7 @@ def build(shape, plan, batch, context, device):
         bias_k=None,
         up_v=factor(plan["scheme"], rank_v // kv_heads, kv_heads, head_dim, generator).to(device, torch.float16),
         bias_v=None, inv_freq=rope, rope_scale=1.0, length=torch.tensor(context, device=device), attn_mask=None,
-        softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, **layout)
+        softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, rope_window=plan.get("rope_window", 0), **layout)
     read = batch * context * (side_bytes(rank_k, plan["k_bits"], plan["group"])
                               + side_bytes(rank_v, plan["v_bits"], plan["group"]) + 4)
     return kwargs, read
@@ -178,13 +185,13 @@ def main():
     if args.sweep:
         for name in args.only:
             for plan in plans:
-                if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5":  # keep 0.5 takes keep 0.25's
-                    continue
+                if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5" or plan.get("rope_window"):
+                    continue  # keep 0.5 takes keep 0.25's geometry, a windowed plan its exact one's
                 kwargs, _ = build(SHAPES[name], plan, 16, 16384, device)
                 results = sweep(kwargs)
-                chosen[(name, plan["plan"])] = results[0][1]
+                chosen[(name, plan["plan"])] = chosen[(name, plan["plan"] + " w1024")] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
-                    chosen[(name, "head keep 0.5")] = results[0][1]
+                    chosen[(name, "head keep 0.5")] = chosen[(name, "head keep 0.5 w1024")] = results[0][1]
                 print(f"sweep {name} {plan['plan']}: " + ", ".join(
                     f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/{c.max_registers}r"
                     for ms, c in results[:6]))
@@ -222,6 +229,7 @@ def main():
                 rows.append(dict(
                     shape=name, batch=batch, context=context, plan=plan["plan"], scheme=plan["scheme"],
                     keep=f"{plan['keep_k']:g}/{plan['keep_v']:g}", bits=f"{plan['k_bits']}/{plan['v_bits']}",
+                    rope_window=plan.get("rope_window", 0),
                     lrkv_ms=round(lrkv, 4), sdpa_ms=round(full_ms, 4), speedup=round(full_ms / lrkv, 3),
                     bytes_ratio=round(ratio, 3), lrkv_TBps=round(read / lrkv / 1e9, 3),
                     sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),

@@ -234,10 +234,14 @@ def main():
     # Random weights have no low-rank structure for a search to find, so the plans are set by hand, head-wise,
     # plain SVD: "budget 0.2" spends about a fifth of the 16-bit cache's bytes as a calibrated plan does (keys at
     # half rank and 4 bits, values at full rank and 3 bits, a scale per 32 channels, 4 exact sink tokens); "keep
-    # 0.5" keeps half the channels in 16 bits.
+    # 0.5" keeps half the channels in 16 bits; "RoPE window 1024" is budget 0.2 with windowed RoPE beyond 1024 tokens
+    # (`RankPlan.rope_window`: the kernel scores the far slots against their latents, rebuilding no key).
     plans = [("lrkv budget 0.2", lambda: lrkv.RankPlan.uniform(
                  model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=32, sinks=4, scheme="head", context=context,
                  progress=False)),
+             ("lrkv budget 0.2, RoPE window 1024", lambda: lrkv.RankPlan.uniform(
+                 model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=32, sinks=4, scheme="head", context=context,
+                 rope_window=1024, progress=False)),
              ("lrkv keep 0.5", lambda: lrkv.RankPlan.uniform(model, keep=0.5, scheme="head", progress=False))]
     # each plan compiled as lrkv.compile does by default (Inductor around the latent ops) and with Inductor's
     # reduce-overhead mode (CUDA graphs replay the whole step: no launch cost per op)

@@ -150,6 +150,13 @@ def _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEAD
 
 
 @triton.jit
+def _windowed(pos, query_at, rope_window):
+    """Positions as windowed RoPE scores them: one rope_window or more behind the query's is taken as exactly that
+    far behind."""
+    return tl.where(query_at - pos >= rope_window, query_at - rope_window, pos)
+
+
+@triton.jit
 def _consecutive(pos_row, lo, hi, CHECK: tl.constexpr):
     """(every slot s of [lo, hi) holds position first + s - lo, first): one pass over the positions, so the tiles
     need neither their positions nor a check of them."""
@@ -190,7 +197,7 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
                  inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
                  k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                  k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col,
-                 bias1, bias2, k_scale_ahead, k_zero_ahead,
+                 bias1, bias2, k_scale_ahead, k_zero_ahead, far_q, far_row, far_bias,
                  v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
                  v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi,
                  HALF: tl.constexpr, G_PAD: tl.constexpr,
@@ -202,53 +209,73 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
                  V_PACKED: tl.constexpr,
                  HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
                  EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr):
+                 KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, FAR: tl.constexpr):
     """One tile of slots t0.. (below cached_hi) into the online softmax state (m_i, sums, acc): keys [BLOCK_S,
     HEAD_DIM] rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the slot's offset from the tile's
     first position `start`), scored as keys @ [q1r; q2r] (R(-start)q, the G_PAD query columns), then acc += pᵀ C_v.
     ordered: the tile's positions are known to be start + δ (else each slot whose position is not turns on by the
     rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile).
-    k_scale_ahead, k_zero_ahead: the key codes' scales and zero points, loaded a tile ahead (None: loaded here)."""
+    k_scale_ahead, k_zero_ahead: the key codes' scales and zero points, loaded a tile ahead (None: loaded here).
+    FAR (windowed RoPE, slots beyond the window): no key is rebuilt; scores = latents @ far_q, the queries turned
+    to the window's offset and taken into latent space by the launcher ([K_BLOCK_RANK, G_PAD] at far_row, the
+    first chunk of it in registers as far_q), plus far_bias (their product with the key bias)."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
     delta = tl.arange(0, BLOCK_S)
     slots = t0 + delta
     slot_ok = slots < cached_hi
-    key1 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)  # the keys' two halves
-    key2 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)
+    if FAR:
+        scores = tl.zeros([BLOCK_S, G_PAD], tl.float32)
+    else:
+        key1 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)  # the keys' two halves
+        key2 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)
     for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
         latent = latent_tile(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
                              k_exact_ptr, k_ex_sb, k_ex_ss, b, t0, slots, slot_ok, k_lo + c, k_hi, length,
                              k_width, k_sinks, k_window, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
                              K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0, K_PACKED, k_scale_ahead,
                              k_zero_ahead)
-        if ONE_K_CHUNK:
-            right1, right2 = up1, up2
+        if FAR:
+            if ONE_K_CHUNK:
+                right = far_q
+            else:
+                rows = c + k_order
+                right = tl.load(far_row + rows[:, None] * G_PAD + tl.arange(0, G_PAD)[None, :],
+                                mask=(rows < K_BLOCK_RANK)[:, None], other=0.0)
+            scores = _mm(latent, right, scores, DOT_DTYPE, IEEE)
         else:
-            rows = k_lo + c + k_order
-            up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
-            right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0)
-            right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0)
-        key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
-        key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
-    if HAS_BIAS:
-        key1 += bias1
-        key2 += bias2
-    if HAS_ROPE:
-        key1, key2 = key1 * cos_delta - key2 * sin_delta, key2 * cos_delta + key1 * sin_delta
-        offset = pos - start
-        if not ordered:
-            if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) != 0:
-                # positions not consecutive (left padding, edited caches): on by (offset - δ) f per slot
-                freq = tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32)
-                cos_t, sin_t = _trig(_reduce_angle((offset - delta).to(tl.float32)[:, None] * freq[None, :]),
-                                     FAST_MATH)
-                cos_t, sin_t = cos_t.to(KEY_DTYPE), sin_t.to(KEY_DTYPE)
-                key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
-        if EXACT_ANGLES:
-            rest = _angle_rest(pos, start, offset, tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32))
-            key1, key2 = key1 - rest * key2, key2 + rest * key1
-    scores = _mm(key1, q1r, tl.zeros([BLOCK_S, G_PAD], tl.float32), DOT_DTYPE, IEEE)    # [BLOCK_S, G_PAD]
-    scores = _mm(key2, q2r, scores, DOT_DTYPE, IEEE)
+            if ONE_K_CHUNK:
+                right1, right2 = up1, up2
+            else:
+                rows = k_lo + c + k_order
+                up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
+                right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0)
+                right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0)
+            key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
+            key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
+    if FAR:
+        if HAS_BIAS:
+            scores += far_bias[None, :]
+    else:
+        if HAS_BIAS:
+            key1 += bias1
+            key2 += bias2
+        if HAS_ROPE:
+            key1, key2 = key1 * cos_delta - key2 * sin_delta, key2 * cos_delta + key1 * sin_delta
+            offset = pos - start
+            if not ordered:
+                if tl.max(tl.where(slot_ok, tl.abs(offset - delta), 0), 0) != 0:
+                    # positions not consecutive (left padding, edited caches, windowed RoPE): on by (offset - δ) f
+                    # per slot
+                    freq = tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32)
+                    cos_t, sin_t = _trig(_reduce_angle((offset - delta).to(tl.float32)[:, None] * freq[None, :]),
+                                         FAST_MATH)
+                    cos_t, sin_t = cos_t.to(KEY_DTYPE), sin_t.to(KEY_DTYPE)
+                    key1, key2 = key1 * cos_t - key2 * sin_t, key2 * cos_t + key1 * sin_t
+            if EXACT_ANGLES:
+                rest = _angle_rest(pos, start, offset, tl.load(inv_freq_ptr + tl.arange(0, HALF)).to(tl.float32))
+                key1, key2 = key1 - rest * key2, key2 + rest * key1
+        scores = _mm(key1, q1r, tl.zeros([BLOCK_S, G_PAD], tl.float32), DOT_DTYPE, IEEE)    # [BLOCK_S, G_PAD]
+        scores = _mm(key2, q2r, scores, DOT_DTYPE, IEEE)
     visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND)
     scores = tl.where(visible[:, None], scores * qk_scale + additive[:, None] * LOG2E, float("-inf"))
     m_i, sums, alpha, p = _softmax_step(m_i, sums, scores, FAST_MATH)
@@ -268,8 +295,8 @@ def latent_decode_kernel(
         v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
         new_v_ptr, new_v_sb,
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr, mask_ptr, mask_sb, mask_ss, length_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr,
-        qk_scale, num_splits, k_width, k_sinks, k_window, v_width, v_sinks, v_window,
+        far_ptr, far_bias_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        qk_scale, num_splits, k_width, k_sinks, k_window, v_width, v_sinks, v_window, rope_window,
         KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
@@ -279,11 +306,16 @@ def latent_decode_kernel(
         V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_PACKED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, CHECK_BLOCK: tl.constexpr = 1024):
+        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_S: tl.constexpr,
+        CHECK_BLOCK: tl.constexpr = 1024):
     """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
     [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
     which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
-    EXACT_ANGLES: fp32 models (see _angle_rest)."""
+    EXACT_ANGLES: fp32 models (see _angle_rest). WINDOWED (windowed RoPE): a slot rope_window or more positions
+    behind this step's scores as if exactly that far: the leading whole tiles of such slots against their latents
+    (the queries in latent space, `_attend_tile`'s FAR: made here for head- and group-wise factors, read from
+    far_ptr and far_bias_ptr for joint ones), the rest with keys turned to their positions, the far ones among them
+    to the window's edge."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     length, s_lo, s_hi = _split_range(length_ptr, num_splits, BLOCK_S)
@@ -344,11 +376,56 @@ def latent_decode_kernel(
                                FAST_MATH)
     AHEAD: tl.constexpr = K_PACKED and ONE_K_CHUNK  # the key codes' scales loaded a tile ahead
     K_EVEN: tl.constexpr = K_BLOCK_RANK % K_CHUNK == 0
+    # windowed RoPE: the leading whole tiles of slots at least rope_window positions behind this step's (where the
+    # positions run on; else none) score in latent space; the queries' positions differ only at left padding
+    rebuild_lo, query_at, far_q, far_bias = mid_lo, 0, 0.0, 0.0
+    far_row = far_ptr + pid_bh * K_BLOCK_RANK * G_PAD
+    if WINDOWED:
+        query_at = tl.load(pos_row + last)
+        if ordered:
+            count = query_at - rope_window - first + 1  # slots from mid_lo on whose positions are far
+            rebuild_lo = tl.where(count >= mid_hi - mid_lo, mid_hi,
+                                  mid_lo + tl.maximum(count, 0) // BLOCK_S * BLOCK_S)
+        if ONE_K_CHUNK:  # B_k's block of the KV head times R(rope_window - p) q, here (joint: the launcher's)
+            far1, far2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, query_at - rope_window, inv_freq_ptr,
+                                         GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
+            far_q = _mm(up1, far1, tl.zeros([K_CHUNK, G_PAD], tl.float32), DOT_DTYPE, IEEE)
+            far_q = _mm(up2, far2, far_q, DOT_DTYPE, IEEE).to(DOT_DTYPE)
+            if HAS_BIAS:
+                far_bias = tl.sum(far1 * tl.load(bias_k_ptr + col).to(tl.float32)[:, None], 0) \
+                    + tl.sum(far2 * tl.load(bias_k_ptr + col + HALF).to(tl.float32)[:, None], 0)
+        elif HAS_BIAS:
+            far_bias = tl.load(far_bias_ptr + pid_bh * G_PAD + g)
+        k_scale, k_zero = None, None
+        if AHEAD:
+            k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, mid_lo, rebuild_lo, k_lo,
+                                          k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+        for t0 in range(mid_lo, rebuild_lo, BLOCK_S):
+            next_scale, next_zero = None, None
+            if AHEAD:
+                next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0 + BLOCK_S,
+                                                    rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+            m_i, sums, acc = _attend_tile(
+                m_i, sums, acc, t0, 0, 0, True, rebuild_lo, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr, qk_scale,
+                mask_ptr, mask_sb, mask_ss,
+                k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
+                k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
+                bias2, k_scale, k_zero, far_q, far_row, far_bias,
+                v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
+                v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
+                K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
+                V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
+                HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
+                True)
+            k_scale, k_zero = next_scale, next_zero
+        if HAS_ROPE:  # the rest of the middle tiles start at rebuild_lo
+            qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first + (rebuild_lo - mid_lo), inv_freq_ptr,
+                                       GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
     k_scale, k_zero = None, None  # else each tile loads them itself
     if AHEAD:
-        k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, mid_lo, mid_hi, k_lo, k_hi,
+        k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, rebuild_lo, mid_hi, k_lo, k_hi,
                                       K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
-    for t0 in range(mid_lo, mid_hi, BLOCK_S):
+    for t0 in range(rebuild_lo, mid_hi, BLOCK_S):
         next_scale, next_zero = None, None
         if AHEAD:
             next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0 + BLOCK_S, mid_hi,
@@ -359,24 +436,37 @@ def latent_decode_kernel(
         else:
             pos = tl.load(pos_row + t0 + delta, mask=t0 + delta < mid_hi, other=0)
             start = tl.load(pos_row + t0)
-        if HAS_ROPE:
+        tile_ordered = ordered
+        turned1, turned2 = qr1, qr2
+        if WINDOWED:  # a tile holding far slots (across the window's edge, or unordered) turns them to the edge
+            near = query_at - start < rope_window  # positions run on: every later slot of the tile is near too
+            tile_ordered = ordered & near
+            pos = _windowed(pos, query_at, rope_window)
+            start = _windowed(start, query_at, rope_window)
+            if EXACT_ANGLES:
+                turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS,
+                                                   G_PAD, HALF, HAS_ROPE, FAST_MATH)
+            elif tile_ordered == 0:  # its queries turn by its own first position
+                turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS,
+                                                   G_PAD, HALF, HAS_ROPE, FAST_MATH)
+        elif HAS_ROPE:
             if EXACT_ANGLES:  # fp32 models: each tile's turn from its own angle, as the reference rounds it
-                qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD,
-                                           HALF, HAS_ROPE, FAST_MATH)
+                turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS,
+                                                   G_PAD, HALF, HAS_ROPE, FAST_MATH)
             elif not ordered:
-                qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD,
-                                           HALF, HAS_ROPE, FAST_MATH)
+                turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS,
+                                                   G_PAD, HALF, HAS_ROPE, FAST_MATH)
         m_i, sums, acc = _attend_tile(
-            m_i, sums, acc, t0, pos, start, ordered, mid_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
-            cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+            m_i, sums, acc, t0, pos, start, tile_ordered, mid_hi, length, b, turned1.to(DOT_DTYPE),
+            turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
             k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
             k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale,
-            k_zero,
+            k_zero, 0.0, far_row, 0.0,
             v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
             v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
             K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
             V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
-            HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S)
+            HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S, False)
         if HAS_ROPE:
             qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
                         qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
@@ -386,20 +476,24 @@ def latent_decode_kernel(
         for tile in range(0, first_edge + tl.cdiv(cached_hi - mid_hi, BLOCK_S)):
             t0 = tl.where(tile < first_edge, s_lo + tile * BLOCK_S, mid_hi + (tile - first_edge) * BLOCK_S)
             start = tl.load(pos_row + t0)
+            pos = tl.load(pos_row + t0 + delta, mask=t0 + delta < cached_hi, other=0)
+            if WINDOWED:
+                pos = _windowed(pos, query_at, rope_window)
+                start = _windowed(start, query_at, rope_window)
             qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD, HALF,
                                        HAS_ROPE, FAST_MATH)
             m_i, sums, acc = _attend_tile(
-                m_i, sums, acc, t0, tl.load(pos_row + t0 + delta, mask=t0 + delta < cached_hi, other=0), start,
-                False, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE), cos_delta, sin_delta,
-                inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
+                m_i, sums, acc, t0, pos, start, False, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
+                cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                 k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
-                bias2, None, None,
+                bias2, None, None, 0.0, far_row, 0.0,
                 v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
                 v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_PACKED,
-                HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S)
+                HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
+                False)
     l_i = tl.sum(sums, 0)
     if (last >= s_lo) & (last < s_hi):  # this step's token, from its exact latents
         key1, key2 = _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb,

@@ -73,7 +73,7 @@ def _latents(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_p
 
 @triton.jit
 def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
-                 qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width,
+                 qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width, far1, far2, query_at, rope_window,
                  k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                  k_ex_ss, new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr,
                  up_k_sr, col, bias1, bias2,
@@ -85,11 +85,13 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
                  V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                  V_FAST: tl.constexpr, V_EXACT: tl.constexpr, V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
                  HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, FAST_MATH: tl.constexpr,
-                 DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
+                 DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr):
     """Slots t0.. (below hi) into the online softmax state of the tile's queries: m_i, l_i [BLOCK_M] (max and sum, in
     natural units) and acc [BLOCK_M, V_CHUNK]. Keys [BLOCK_S, HALF] x 2 rebuilt from the latents (c B_k + b_k, the
     KV head's columns, a chunk of latent channels at a time) and turned by R(p) at each slot's position p, scores
-    q k^T, visible where slot <= the query's sequence index and the mask allows, then acc += p C_v."""
+    q k^T, visible where slot <= the query's sequence index and the mask allows, then acc += p C_v. WINDOWED
+    (windowed RoPE): where the slot's position is rope_window or more behind the query's (query_at), the score is
+    the unturned key's against the query turned to the window's edge (far1, far2: R(rope_window - p_q) q)."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
     slots = t0 + tl.arange(0, BLOCK_S)
     slot_ok = slots < hi
@@ -112,12 +114,18 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
     if HAS_BIAS:
         key1 += bias1
         key2 += bias2
+    if WINDOWED:
+        far = _mm(far1, tl.trans(key1), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
+        far = _mm(far2, tl.trans(key2), far, DOT_DTYPE, IEEE)
     if HAS_ROPE:
-        pos = tl.load(pos_ptr + b * pos_sb + slots, mask=slot_ok, other=0).to(tl.float32)
-        cos, sin = _trig(_reduce_angle(pos[:, None] * inv_freq[None, :]), FAST_MATH)
+        pos = tl.load(pos_ptr + b * pos_sb + slots, mask=slot_ok, other=0)
+        cos, sin = _trig(_reduce_angle(pos.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
         key1, key2 = key1 * cos - key2 * sin, key2 * cos + key1 * sin
     scores = _mm(q1, tl.trans(key1), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
-    scores = _mm(q2, tl.trans(key2), scores, DOT_DTYPE, IEEE) * qk_scale
+    scores = _mm(q2, tl.trans(key2), scores, DOT_DTYPE, IEEE)
+    if WINDOWED:
+        scores = tl.where(query_at[:, None] - pos[None, :] >= rope_window, far, scores)
+    scores = scores * qk_scale
     visible = row_ok[:, None] & slot_ok[None, :] & (slots[None, :] <= query_index[:, None])
     if MASK_KIND != 0:  # columns past the mask's last are not visible (the reference cannot index them)
         visible = visible & (slots < mask_width)[None, :]
@@ -140,7 +148,7 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
 
 
 @triton.autotune(configs=CONFIGS, key=["tokens_bucket", "HEAD_DIM", "GROUP_HEADS", "K_BLOCK_RANK", "K_CHUNK", "K_BITS",
-                                       "V_BLOCK_RANK", "V_CHUNK", "V_BITS", "MASK_KIND"],
+                                       "V_BLOCK_RANK", "V_CHUNK", "V_BITS", "MASK_KIND", "WINDOWED"],
                  prune_configs_by={"early_config_prune": prune_configs})
 @triton.jit
 def latent_prefill_kernel(
@@ -152,7 +160,7 @@ def latent_prefill_kernel(
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr,
         mask_ptr, mask_sb, mask_sh, mask_st, mask_ss, mask_width, length_ptr,
         out_ptr, out_sb, out_st, out_sh,
-        qk_scale, tokens, tokens_bucket, k_width, k_sinks, k_window, v_width, v_sinks, v_window,
+        qk_scale, tokens, tokens_bucket, k_width, k_sinks, k_window, v_width, v_sinks, v_window, rope_window,
         KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
@@ -161,12 +169,13 @@ def latent_prefill_kernel(
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
         V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, FAST_MATH: tl.constexpr,
-        DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
     """Attention of one tile of queries (row r: new token tile * (BLOCK_M // GROUP_HEADS) + r // GROUP_HEADS, query
     head r % GROUP_HEADS of the KV head) over the slots it sees, into out [batch, tokens, heads, V_BLOCK_RANK]
     (channels v_part * V_CHUNK..): the context in the latent space of the KV head's block of C_v, 0 for a query that
-    sees no slot. MASK_KIND 0 none, 1 boolean, 2 additive; tokens_bucket keys the autotuner and its pruner."""
+    sees no slot. MASK_KIND 0 none, 1 boolean, 2 additive; tokens_bucket keys the autotuner and its pruner;
+    WINDOWED: windowed RoPE beyond rope_window positions (`_attend_tile`)."""
     tile, pid_bh, v_part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -188,6 +197,13 @@ def latent_prefill_kernel(
     inv_freq = d.to(tl.float32)
     if HAS_ROPE:
         inv_freq = tl.load(inv_freq_ptr + d).to(tl.float32)
+    far1, far2, query_at = 0.0, 0.0, 0
+    if WINDOWED:  # the queries turned to the window's edge: R(rope_window - p_q) q
+        query_at = tl.load(pos_ptr + b * pos_sb + query_index, mask=row_ok, other=0)
+        cos_f, sin_f = _trig(_reduce_angle((rope_window - query_at).to(tl.float32)[:, None] * inv_freq[None, :]),
+                             FAST_MATH)
+        q1f, q2f = q1.to(tl.float32), q2.to(tl.float32)
+        far1, far2 = (q1f * cos_f - q2f * sin_f).to(DOT_DTYPE), (q2f * cos_f + q1f * sin_f).to(DOT_DTYPE)
     col = h * HEAD_DIM + d
     bias1, bias2 = 0.0, 0.0
     if HAS_BIAS:
@@ -216,7 +232,7 @@ def latent_prefill_kernel(
         for t0 in range(lo, hi, BLOCK_S):
             m_i, l_i, acc = _attend_tile(
                 m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
-                qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width,
+                qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width, far1, far2, query_at, rope_window,
                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
                 k_ex_ss, new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr,
                 up_k_sr, col, bias1, bias2,
@@ -225,7 +241,7 @@ def latent_prefill_kernel(
                 new == 1, HALF, BLOCK_M, BLOCK_S,
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-                HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE)
+                HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE, WINDOWED)
     context = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     ch = v_part * V_CHUNK + tl.arange(0, V_CHUNK)
     out_at = out_ptr + b64 * out_sb + token[:, None] * out_st + head[:, None] * out_sh + ch[None, :]

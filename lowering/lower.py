@@ -49,7 +49,7 @@ def _prepare_kernels(gm: torch.fx.GraphModule) -> None:
         up_k, up_v = constant(node.kwargs.get("up_k")), constant(node.kwargs.get("up_v"))
         if up_k is not None and up_k.is_cuda:
             from . import triton_decode  # needs triton, which CPU-only installs may lack
-            triton_decode.prepare(up_k, up_v, node.kwargs["num_kv_heads"])
+            triton_decode.prepare(up_k, up_v, node.kwargs["num_kv_heads"], node.kwargs.get("rope_window", 0))
 
 
 def _name_the_factors(gm: torch.fx.GraphModule) -> None:

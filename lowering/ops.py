@@ -143,7 +143,7 @@ def latent_attention(query: Tensor, latent_k: Tensor, k_scale: Tensor, k_zero: T
                      k_norm_offset: float = 0.0, k_norm_eps: float = 0.0, softcap: float = 0.0,
                      new_positions: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
                      rope_sin: Optional[Tensor] = None, rope_rows: Optional[Tensor] = None,
-                     new_cos: Optional[Tensor] = None, new_sin: Optional[Tensor] = None,
+                     new_cos: Optional[Tensor] = None, new_sin: Optional[Tensor] = None, rope_window: int = 0,
                      implementation: str = "auto") -> Tensor:
     """Attention over the latent cache; see `reference.latent_attention` for the contract. `implementation`
     (`IMPLEMENTATIONS`) picks the code that computes it."""

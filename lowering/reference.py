@@ -259,7 +259,8 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                      new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
                      v_outliers, k_norm_weight=None, k_norm_offset=0.0, k_norm_eps=0.0, softcap=0.0,
-                     new_positions=None, rope_cos=None, rope_sin=None, rope_rows=None, new_cos=None, new_sin=None):
+                     new_positions=None, rope_cos=None, rope_sin=None, rope_rows=None, new_cos=None, new_sin=None,
+                     rope_window=0):
     """Attention over the latent cache, with keys rebuilt from latents and values kept latent
     until after the reduction over slots (Palu eq. 5: sum_j p_j (c_j B_v) = (sum_j p_j c_j) B_v).
 
@@ -279,7 +280,9 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     where the model recomputes its frequencies as it runs, a ring's step taking its own from new_cos / new_sin
     (`latent_write`); all None: no RoPE; the rewrite puts the channels of interleaved-RoPE models in rotate-half
     order). softcap > 0 caps the scaled scores to softcap * tanh(scores / softcap) before the mask, as
-    Gemma 2 does.
+    Gemma 2 does. rope_window > 0 (RoPE from inv_freq only): windowed RoPE (A2ATS, after ReRoPE): a slot whose
+    position is rope_window or more behind the query's scores as if exactly rope_window behind it
+    (`windowed_scores`), so the kernels score far slots against their latents without rebuilding keys.
     Returns [batch, heads, tokens, head_dim] when up_v is given; otherwise the latent context
     [batch, tokens, heads * rank_v] for an output projection that absorbed B_v.
     """
@@ -315,6 +318,13 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                 rows[:, -tokens:] = step_rows(new_cos, new_sin, batch, tokens).to(rows.dtype)
         keys = reconstruct_keys(latents_k.to(query.dtype), key_positions, inv_freq, rope_scale, up_k, bias_k,
                                 num_kv_heads, norm, rope_cos, rope_sin, rows)
+        if rope_window:
+            if inv_freq is None or rope_cos is not None or rope_rows is not None:
+                raise ValueError("rope_window needs RoPE computed from inv_freq (not cos/sin tables or stored rows)")
+            plain = reconstruct_keys(latents_k.to(query.dtype), None, None, 1.0, up_k, bias_k, num_kv_heads, norm)
+            query_positions = new_positions if new_positions is not None else positions[:batch, slots - tokens:slots]
+            scores = windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq, rope_scale,
+                                     rope_window)
     # rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = latent_values.to(query.dtype).float()
     rank_v, slots = latent_values.shape[-1], latent_values.shape[1]
@@ -338,6 +348,28 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
         context = context.view(batch, num_kv_heads, group, tokens, head_dim) + bias_v.float().view(
             1, num_kv_heads, 1, 1, head_dim)
     return context.reshape(batch, heads, tokens, head_dim).to(query.dtype)
+
+
+def windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq, rope_scale, window):
+    """q k^T under windowed RoPE: a key at position p_j seen from a query at p_i scores as RoPE turns it (`keys`,
+    at p_j) where p_i - p_j < window, else as if at p_i - window: <R(p_i) q, R(p_i - window) k> =
+    <R(window - p_i) q_rot, k>, the query turned once and the key as the projection made it (`plain`, no RoPE).
+    RoPE's scale multiplies the turned query as it multiplies the turned keys.
+
+    query: [batch, heads, tokens, head_dim] (RoPE applied); keys, plain: [batch, kv_heads, slots, head_dim];
+    query_positions: [batch|1, tokens]; key_positions: [batch, slots] -> float32 [batch, heads, tokens, slots]
+    (unscaled)."""
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    query_positions = torch.broadcast_to(query_positions, (batch, tokens)).long()
+    cos, sin = rope_tables(window - query_positions, inv_freq, rope_scale, torch.float32)
+    far_query = query.float() * cos[:, None] + rotate_half(query.float()) * sin[:, None]
+    grouped = query.float().view(batch, kv_heads, heads // kv_heads, tokens, head_dim)
+    near = grouped @ keys.float()[:, :, None].transpose(-1, -2)
+    far = far_query.view_as(grouped) @ plain.float()[:, :, None].transpose(-1, -2)
+    behind = query_positions[:, :, None] - key_positions.long()[:, None]  # [batch, tokens, slots]
+    scores = torch.where((behind >= window)[:, None, None], far, near)  # [batch, kv_heads, group, tokens, slots]
+    return scores.reshape(batch, heads, tokens, -1)
 
 
 def latent_scores(query, latents_k, up_k, bias_k, num_kv_heads):

@@ -206,7 +206,7 @@ def default_config(half_keys: bool, codes: bool) -> DecodeConfig:
 def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
                      new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
                      num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
-                     v_outliers):
+                     v_outliers, rope_window=0):
     """`reference.latent_attention` for one new token per sequence, on the Triton kernel (default geometry)."""
     return decode_attention_with(None, **{name: value for name, value in locals().items()})
 
@@ -214,7 +214,7 @@ def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_s
 def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_scale, k_zero, k_exact, latent_v,
                           v_scale, v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq,
                           rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks,
-                          k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers):
+                          k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, rope_window=0):
     """`decode_attention` with an explicit launch geometry (None: `default_config`; benchmarks sweep it)."""
     batch, heads, tokens, head_dim = query.shape
     device = query.device
@@ -255,6 +255,12 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     qk_scale = softmax_scale * (rope_scale if rope else 1.0) * math.log2(math.e)  # the kernel's softmax is base 2
     k, v = keys, values
     kernel = latent_decode.latent_decode_kernel
+    windowed = bool(rope_window) and rope
+    far, far_bias = query, query
+    if windowed and keys["BLOCK_RANK"] > keys["CHUNK"]:  # joint keys: the kernel reads the far queries chunk by chunk
+        far, far_bias = far_queries(query, positions, length, inv_freq, up_k, bias_k, num_kv_heads, k_blocks,
+                                    rope_window, g_pad)
+        far_bias = query if far_bias is None else far_bias
 
     def arguments(splits, part_acc, part_max, part_sum):
         return (
@@ -267,9 +273,10 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
             v["new"].stride(0),
             positions, positions.stride(0), up, up.stride(0),
             bias_k.float().contiguous() if bias_k is not None else query,
-            inv_freq.float().contiguous() if rope else query, mask, mask_sb, mask_ss, length,
+            inv_freq.float().contiguous() if rope else query, mask, mask_sb, mask_ss, length, far, far_bias,
             part_acc, part_max, part_sum,
-            qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])
+            qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"],
+            int(rope_window) if windowed else 0)
 
     constants = dict(
         KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=g_pad, HEAD_DIM=head_dim,
@@ -282,7 +289,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind,
         EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
-        KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32)
+        KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed)
     if config is None:
         config = default_config(half_keys, k_bits != 16 or v_bits != 16)
     geometry_key = (device, tuple(constants.values()), config)
@@ -307,6 +314,30 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     return _project_values(context.view(batch, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
 
 
+def far_queries(query, positions, length, inv_freq, up_k, bias_k, kv_heads, blocks, window, columns):
+    """The queries as windowed RoPE scores slots beyond the window, in latent space, for joint keys (the kernel makes
+    them itself where a KV head's block of B_k is one chunk): per KV head h and its query heads g, R(window - p) q_g
+    (p this step's position) through the head's rows of B_k, float32 [batch, kv_heads, rank, columns] (query heads in
+    the first columns, zeros after), and their products with the key bias [batch, kv_heads, columns] (None without
+    one): q R(p - window) (c B_k + b_k)ᵀ = c (B_k R(window - p) q)ᵀ + b_k·R(...)q."""
+    batch, heads, _, head_dim = query.shape
+    group, half = heads // kv_heads, head_dim // 2
+    at = positions[:batch].index_select(1, (length.reshape(1) - 1).long())  # [batch, 1]
+    angles = (window - at).float() * inv_freq.float()                        # [batch, half]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    q = query[:, :, 0].float()
+    q1, q2 = q[..., :half], q[..., half:]
+    turned = torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), -1).view(batch, kv_heads, group, head_dim)
+    rows = _per_head(up_k, kv_heads, blocks)                                 # [kv_heads, rank, head_dim]
+    far = torch.zeros(batch, kv_heads, rows.shape[1], columns, dtype=torch.float32, device=query.device)
+    far[..., :group] = torch.einsum("bkgd,krd->bkrg", turned, rows)
+    if bias_k is None:
+        return far, None
+    bias = torch.zeros(batch, kv_heads, columns, dtype=torch.float32, device=query.device)
+    bias[..., :group] = (turned * bias_k.float().view(1, kv_heads, 1, head_dim)).sum(-1)
+    return far, bias
+
+
 def _project_values(context, up_v, bias_v, blocks, dtype):
     """[batch, kv_heads, group, range] fp32 latent context -> the reference's output: @ B_v (+ b_v) per head, or
     the latent context itself [batch, 1, heads * rank_v] when the output projection absorbed B_v."""
@@ -320,33 +351,37 @@ def _project_values(context, up_v, bias_v, blocks, dtype):
     return out.reshape(batch, kv_heads * group, 1, head_dim).to(dtype)
 
 
-def prepare(up_k: torch.Tensor, up_v: Optional[torch.Tensor], num_kv_heads: int) -> None:
-    """Build now what the launcher keeps per factor tensor (its diagonal blocks, B_v's rows per head): called when
+def prepare(up_k: torch.Tensor, up_v: Optional[torch.Tensor], num_kv_heads: int, rope_window: int = 0) -> None:
+    """Build now what the launcher keeps per factor tensor (its diagonal blocks, B_v's rows per head, and B_k's
+    where windowed RoPE reads them): called when
     a graph is compiled, so these tensors are not allocated inside a CUDA graph's memory pool (mode
     "reduce-overhead"), where a tensor that outlives the step is an error, and reading the blocks (which
     synchronizes) never happens in a step."""
-    diagonal_blocks(up_k, num_kv_heads)
+    k_blocks = diagonal_blocks(up_k, num_kv_heads)
+    if rope_window:
+        _per_head(up_k, num_kv_heads, k_blocks)
     if up_v is not None:
         _per_head(up_v, num_kv_heads, diagonal_blocks(up_v, num_kv_heads))
 
 
-_PER_HEAD = WeakIdKeyDictionary()  # up_v -> (its _version, blocks, [kv_heads, range, head_dim] float32)
+_PER_HEAD = WeakIdKeyDictionary()  # factor -> (its _version, blocks, [kv_heads, range, head_dim] float32)
 
 
-def _per_head(up_v, kv_heads, blocks):
-    """The rows of B_v [rank_v, kv_heads * head_dim] each KV head reads, as one float32 [kv_heads, range, head_dim]
-    tensor: its block's rows (head- or group-wise factors) or all of them (joint). Built once per tensor version:
-    a decode step would otherwise spend a gather and a cast per layer on it."""
-    cached = _PER_HEAD.get(up_v)
-    if cached is not None and cached[:2] == (up_v._version, blocks):
+def _per_head(factor, kv_heads, blocks):
+    """The rows of a factor B [rank, kv_heads * head_dim] (B_v, or B_k for windowed RoPE) each KV head reads, as one
+    float32 [kv_heads, range, head_dim] tensor: its block's rows (head- or group-wise factors) or all of them
+    (joint). Built once per tensor version: a decode step would otherwise spend a gather and a cast per layer on
+    it."""
+    cached = _PER_HEAD.get(factor)
+    if cached is not None and cached[:2] == (factor._version, blocks):
         return cached[2]
-    rank_v = up_v.shape[0]
-    up = up_v.float().view(rank_v, kv_heads, -1)
+    rank = factor.shape[0]
+    up = factor.float().view(rank, kv_heads, -1)
     if blocks > 1:  # each KV head's own block of rows
         heads = torch.arange(kv_heads, device=up.device)
-        up = up.view(blocks, rank_v // blocks, kv_heads, up.shape[-1])[heads // (kv_heads // blocks), :, heads]
+        up = up.view(blocks, rank // blocks, kv_heads, up.shape[-1])[heads // (kv_heads // blocks), :, heads]
     else:
         up = up.transpose(0, 1)
     up = up.contiguous()
-    _PER_HEAD[up_v] = (up_v._version, blocks, up)
+    _PER_HEAD[factor] = (factor._version, blocks, up)
     return up

@@ -38,7 +38,7 @@ def _mask_strides(attn_mask, batch, heads, tokens):
 def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
                       new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask,
                       softmax_scale, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group,
-                      v_sinks, v_axis, v_outliers):
+                      v_sinks, v_axis, v_outliers, rope_window=0):
     """`reference.latent_attention` for `tokens` new tokens per sequence (query [batch, heads, tokens, head_dim]),
     on the Triton prefill kernel: the earlier slots read from the cache, this step's from new_k / new_v."""
     batch, heads, tokens, head_dim = query.shape
@@ -96,7 +96,7 @@ def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_
         out, out.stride(0), out.stride(1), out.stride(2),
         softmax_scale * (rope_scale if rope else 1.0),  # RoPE's scale multiplies every key
         tokens, min(1 << (tokens - 1).bit_length(), LONGEST_BUCKET),
-        k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"],
+        k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"], int(rope_window) if rope else 0,
         KV_HEADS=num_kv_heads, GROUP_HEADS=group, HEAD_DIM=head_dim,
         K_HEADS_PER_BLOCK=num_kv_heads // k_blocks, K_BLOCK_RANK=k["BLOCK_RANK"], K_CHUNK=k["CHUNK"],
         K_BITS=k_bits, K_GROUP=k["GROUP"], K_FAST=k["FAST"], K_EXACT=k["EXACT"], K_CHANNEL=k["CHANNEL"],
@@ -107,7 +107,7 @@ def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind, FAST_MATH=not interpret,
         DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
-        IEEE=query.dtype == torch.float32)
+        IEEE=query.dtype == torch.float32, WINDOWED=bool(rope_window) and rope)
     if up_v is None:
         return out.view(batch, tokens, heads * v_range)
     return _project_values(out.view(batch, tokens, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)

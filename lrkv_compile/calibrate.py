@@ -19,8 +19,8 @@ from .allocate import (CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, OUTLIER_CHANNE
                        with_exact)
 from .errors import LrkvWarning, PlanError
 from .learned import learn_ranks
-from .plan import (DEFAULT_CONTEXT, POSITION_BYTES, Layout, RankPlan, SitePlan, check_context, check_keep, rank_for,
-                   weight_fingerprint)
+from .plan import (DEFAULT_CONTEXT, POSITION_BYTES, Layout, RankPlan, SitePlan, check_context, check_keep,
+                   check_rope_window, rank_for, weight_fingerprint)
 from .trace import capture
 from .weights import ProjectionWeights
 
@@ -265,10 +265,11 @@ def _budget_options(budget, method, options):
 def build_plan(model, batches=None, keep=None, budget=None, method="search", context=DEFAULT_CONTEXT, scheme="joint",
                k_scheme=None, v_scheme=None, group_size=None, keep_k=None, keep_v=None, bits=None, bits_k=None,
                bits_v=None, group=None, axis_k=None, axis_v=None, outliers_k=None, outliers_v=None, rotation=None,
-               sinks=None, window=None, progress=True, stats=None) -> RankPlan:
+               sinks=None, window=None, rope_window=0, progress=True, stats=None) -> RankPlan:
     """Plan every attention site of `model`; see `calibrate` for the arguments. With `batches` (or `stats`),
     factors are activation-aware (whitened SVD); without, plain SVD of the weights."""
     check_context(context)
+    check_rope_window(rope_window)
     sinks, window = _exact(sinks, window)
     if budget is not None:
         _budget_options(budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits, bits_k=bits_k,
@@ -325,7 +326,8 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
                                                                                              ("v", v_scheme))}
     source = "uniform" if stats is None else "calibrated" if budget is None else f"calibrated: {method}"
     return RankPlan(sites=site_plans(model, sites, schemes, blocks, spectra, choices), source=source,
-                    calibration_tokens=stats.tokens if stats is not None else 0, context=context)
+                    calibration_tokens=stats.tokens if stats is not None else 0, context=context,
+                    rope_window=rope_window)
 
 
 def side_spectra(model, sites, stats, blocks, progress) -> tuple[dict, dict]:
@@ -489,7 +491,8 @@ def calibrate(model, batches=None, keep=None, budget=None, method="search", **op
     Both: scheme ("joint", "head", "group", "hybrid" = head-wise K + joint V), k_scheme / v_scheme,
     group_size (heads per group for "group", default 4), rotation ("hadamard", the default for quantized
     sides, "orthogonal", "none"), sinks and window (the first `sinks` tokens and the most recent `window`
-    ones of a sequence are also held exact in 16 bits on quantized sides; defaults 4 and 0), progress,
+    ones of a sequence are also held exact in 16 bits on quantized sides; defaults 4 and 0), rope_window
+    (windowed RoPE beyond this many tokens, `RankPlan.rope_window`; default 0, exact RoPE), progress,
     stats (`collect_stats` on the same model, to make many plans from one pass over the text; budget
     plans need it with fisher=True).
     """

@@ -84,7 +84,7 @@ def cmd_eval(args):
                                                                          **options))
     stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
     # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
-    exact = dict(context=args.length, sinks=args.sinks, window=args.window)
+    exact = dict(context=args.length, sinks=args.sinks, window=args.window, rope_window=args.rope_window)
     plans = [(f"lrkv budget {budget} ({args.method})",
               lambda budget=budget: lrkv.calibrate(model, calibration if args.method == "learned" else None, stats=stats,
                                                    budget=budget, method=args.method, **exact))
@@ -190,7 +190,7 @@ def cmd_calibrate(args):
     """A plan for the user's model from the user's text, saved to a file."""
     import lrkv_compile as lrkv
     model, batches = _model_and_batches(args)
-    exact = dict(context=args.context, sinks=args.sinks, window=args.window)
+    exact = dict(context=args.context, sinks=args.sinks, window=args.window, rope_window=args.rope_window)
     if args.keep is not None:
         plan = lrkv.calibrate(model, batches, keep=args.keep, **exact)
     else:
@@ -288,6 +288,9 @@ def _exact_arguments(parser):
                         help="first tokens of a sequence also held exact (16-bit) on quantized sides")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                         help="most recent tokens also held exact (16-bit) on quantized sides")
+    parser.add_argument("--rope-window", type=int, default=0,
+                        help="windowed RoPE: tokens this far or further behind the query are scored as if exactly "
+                             "this far, which lets the GPU kernel skip rebuilding their keys (0: exact RoPE)")
 
 
 def main(argv=None):

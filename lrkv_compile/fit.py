@@ -91,7 +91,28 @@ def check_sites(plan: RankPlan, sites, unmatched, whole_model: bool = True) -> l
         raise PlanMismatchError(f"{where} has no attention site reading {_listed(p.k_weight for p in missing)}: "
                                 "the plan was made for another model, or a graph break split the forward "
                                 f"(compile with fullgraph=True, or use lrkv.compile); {_REMAKE}")
+    if plan.rope_window:
+        _check_rope_window(plan, [site for site in sites if plan.site_for(site.k_weight) is not None])
     return [site for site in sites if plan.site_for(site.k_weight) is None]
+
+
+def _check_rope_window(plan: RankPlan, planned_sites) -> None:
+    """PlanMismatchError where a site cannot run the plan's windowed RoPE: the latent ops compute it, so a stock
+    cache (or none) cannot, and they turn queries by angles computed from the RoPE frequencies, which a model whose
+    cos/sin come from a table or change as it runs does not give."""
+    stock = [site.layer for site in planned_sites if site.cache != "latent"]
+    if stock:
+        raise PlanMismatchError(
+            f"the plan's windowed RoPE (rope_window={plan.rope_window}) is computed by the latent cache's attention, "
+            f"and layers {stock} run with a stock cache (or none): pass a LatentCache "
+            "(past_key_values=lrkv.LatentCache(model, plan, ...)), or use a plan with rope_window=0")
+    other = [site.layer for site in planned_sites
+             if site.rope_source is not None and (site.rope_source.rows or site.rope_source.table is not None)]
+    if other:
+        raise PlanMismatchError(
+            f"the plan's windowed RoPE (rope_window={plan.rope_window}) needs RoPE computed from fixed frequencies, "
+            f"and layers {other} take their cos/sin from a table or recompute their frequencies as they run; use a "
+            "plan with rope_window=0 for this model")
 
 
 def qualify_names(plan: RankPlan, sites) -> None:

@@ -18,11 +18,12 @@ from lrkv_compile.passes.factorize import ROTATIONS, SCHEMES
 from .errors import CorruptPlanError, LrkvWarning, PlanError
 from .signature import SiteSignature
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # version 1: no layouts (16-bit latents); version 2: per-site RoPE groups (the cache stored cos/sin rows per
 # slot), no sinks, window or context; version 3: no scale axis or outlier channels (every layout per token, none
-# kept). All are migrated on load.
-READABLE_VERSIONS = (1, 2, 3, 4)
+# kept); version 4: no rope_window (exact RoPE; an lrkv that reads version 4 at most refuses a windowed plan
+# rather than run it with exact RoPE). All are migrated on load.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 POSITION_BYTES = 4  # a LatentCache stores each token's position (int32, one for all layers), not RoPE rows
 DEFAULT_CONTEXT = 4096
 SUPPORTED_BITS = (16,) + QUANTIZED_BITS
@@ -216,16 +217,22 @@ class SitePlan:
 @dataclass(frozen=True)
 class RankPlan:
     """A whole model's plan. `context`: the sequence length its budget is counted at (sinks and windows are
-    amortised over it)."""
+    amortised over it). `rope_window` (0: off): windowed RoPE (A2ATS): a cached token `rope_window` or more
+    positions behind the query is scored as if exactly `rope_window` behind it, so the GPU kernel scores such
+    tokens against their key latents without rebuilding and turning their keys. It changes what the model
+    computes (an approximation that long-context studies find small for windows of a few hundred tokens and
+    more: measure it with `lrkv eval --rope-window`), not what the cache stores, and needs a LatentCache."""
     sites: tuple
     source: str = "uniform"
     calibration_tokens: int = 0
     context: int = DEFAULT_CONTEXT
+    rope_window: int = 0
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
         _check_schema_version(self.schema_version, "schema_version")
         check_context(self.context)
+        check_rope_window(self.rope_window)
         if not self.sites:
             raise PlanError("a plan needs at least one site")
         previous = -1
@@ -270,7 +277,9 @@ class RankPlan:
         outliers = sorted({f"{s.k_layout.outliers}/{s.v_layout.outliers}" for s in self.sites})
         return (f"RankPlan({len(self.sites)} sites, keep={self.keep:.3f}, budget={self.budget:.3f} of a 16-bit cache "
                 f"at {self.context} tokens, K ranks {ranks_k}, V ranks {ranks_v}, K/V bits {bits}, "
-                f"K/V scale axes {axes}, K/V float16 outlier channels {outliers}, K/V exact sinks+window {exact}, K/V schemes {schemes}, {self.source})")
+                f"K/V scale axes {axes}, K/V float16 outlier channels {outliers}, K/V exact sinks+window {exact}, "
+                f"K/V schemes {schemes}, {self.source}"
+                + (f", windowed RoPE beyond {self.rope_window} tokens)" if self.rope_window else ")"))
 
     def save(self, path) -> None:
         """Write the plan as one safetensors file, with a checksum of its tensors in the metadata."""
@@ -278,7 +287,8 @@ class RankPlan:
         tensors = {f"sites.{i}.{name}": getattr(site, name).detach().cpu().contiguous().float()
                    for i, site in enumerate(self.sites) for name in _TENSORS}
         meta = {"schema_version": self.schema_version, "source": self.source, "context": self.context,
-                "calibration_tokens": self.calibration_tokens, "sites": [s.metadata() for s in self.sites]}
+                "rope_window": self.rope_window, "calibration_tokens": self.calibration_tokens,
+                "sites": [s.metadata() for s in self.sites]}
         meta["checksum"] = tensor_checksum(tensors, meta)
         save_file(tensors, str(path), metadata={"lrkv_plan": json.dumps(meta)})
 
@@ -316,6 +326,8 @@ class RankPlan:
                 meta = _migrate_v2(meta)
             if meta["schema_version"] == 3:  # its layouts load with the default scale axis, "token"
                 meta = {**meta, "schema_version": 4}
+            if meta["schema_version"] == 4:
+                meta = {**meta, "schema_version": 5, "rope_window": 0}
             sites = []
             for i, site_meta in enumerate(meta["sites"]):
                 factors = {}
@@ -326,7 +338,7 @@ class RankPlan:
                     factors[name] = tensors[key]
                 sites.append(SitePlan(**site_meta, **factors))
             return cls(sites=tuple(sites), source=meta["source"], calibration_tokens=meta["calibration_tokens"],
-                       context=meta["context"])
+                       context=meta["context"], rope_window=meta["rope_window"])
         except CorruptPlanError:
             raise
         except (KeyError, TypeError, ValueError) as error:
@@ -394,6 +406,13 @@ def check_context(context) -> int:
         raise PlanError(f"context={context!r} must be a positive integer: the sequence length (tokens) a budget is "
                         "counted at")
     return context
+
+
+def check_rope_window(window) -> int:
+    """A plan's rope_window: 0 (exact RoPE) or a positive number of tokens."""
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        raise PlanError(f"rope_window={window!r} must be 0 (exact RoPE) or a positive number of tokens")
+    return int(window)
 
 
 def check_keep(keep, name: str = "keep") -> float:

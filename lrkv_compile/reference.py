@@ -94,8 +94,15 @@ class FusedProjection(nn.Module):
 
 
 def low_rank_reference(model, plan: RankPlan):
-    """A copy of `model` whose planned K/V projections are replaced by the plan's factors (eager, no cache tricks)."""
+    """A copy of `model` whose planned K/V projections are replaced by the plan's factors (eager, no cache tricks).
+    The model's own attention computes exact RoPE: a plan with windowed RoPE (`RankPlan.rope_window`) is an error
+    here, not a reference that answers for another plan."""
     check_parameters(plan, model)
+    if plan.rope_window:
+        raise PlanMismatchError(f"the eager low-rank reference runs the model's own attention, which computes exact "
+                                f"RoPE, and this plan has rope_window={plan.rope_window}: compare with "
+                                "dataclasses.replace(plan, rope_window=0), or run the plan with lrkv.compile and a "
+                                "LatentCache")
     reference = copy.deepcopy(model)
     reference.__dict__.pop("forward", None)  # a compiled forward set on the instance would still run `model`
     modules = dict(reference.named_modules())

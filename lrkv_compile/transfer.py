@@ -157,7 +157,8 @@ def transfer_with_mapping(plan, model, batches, progress: bool = True, show: boo
     result = RankPlan(sites=site_plans(model, sites, schemes, blocks, spectra,
                                        {key: (c.rank, c.layout) for key, c in choices.items()}),
                       source=f"transferred from a {len(plan.sites)}-layer plan ({plan.source})",
-                      calibration_tokens=stats.tokens, context=context)
+                      calibration_tokens=stats.tokens, context=context,
+                      rope_window=plan.rope_window)
     mapping = []
     for site, layer_share in zip(sites, layer_shares):
         for side in ("k", "v"):

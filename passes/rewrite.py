@@ -142,7 +142,7 @@ class _Rewriter:
                     operator.getitem, (source.table, (slice(None), slice(start, stop))))
         return arguments
 
-    def latent(self, site, planned, value_policy):
+    def latent(self, site, planned, value_policy, rope_window=0):
         marker = site.cache_nodes[0]
         cache = marker.normalized_arguments(self.gm, normalize_to_only_use_kwargs=True).kwargs
         layer_idx = cache["layer_idx"]
@@ -204,7 +204,7 @@ class _Rewriter:
                 "bias_v": None if absorb else self.bias(site.value, f"{name}_bias_v"), "attn_mask": site.attn_mask,
                 "softmax_scale": site.scale if site.scale is not None else site.head_dim ** -0.5,
                 "softcap": site.softcap, "new_positions": write["new_positions"] if ring else None,
-                "num_kv_heads": site.num_kv_heads,
+                "num_kv_heads": site.num_kv_heads, "rope_window": rope_window if site.rope_source is not None else 0,
                 **({"rope_rows": cache["rope_rows"], **(step_rows if ring else {})} if rows else {})})
         if ring:  # after the cache's length moved past this step: the write starts at length - tokens
             with self.graph.inserting_after(attention):
@@ -274,7 +274,7 @@ def rewrite(gm: GraphModule, sites, plan, example_inputs, value_policy="auto") -
             reports.append(SiteReport(site.index, site.k_weight, site.cache, "untouched: not in the plan"))
             continue
         if site.cache == "latent":
-            path = rewriter.latent(site, planned, value_policy)
+            path = rewriter.latent(site, planned, value_policy, plan.rope_window)
         else:
             rewriter.factored(site.key, planned.down_k, planned.up_k, planned.k_layout, f"lrkv_site{site.index}_k")
             rewriter.factored(site.value, planned.down_v, planned.up_v, planned.v_layout, f"lrkv_site{site.index}_v")

@@ -13,11 +13,12 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [row["path"] for row in rows] == ["lrkv budget 0.2", "lrkv keep 0.5",
+    assert [row["path"] for row in rows] == ["lrkv budget 0.2", "lrkv budget 0.2, RoPE window 1024", "lrkv keep 0.5",
                                              "StaticCache (transformers' SDPA), eager",
                                              "StaticCache + SDPA enable_gqa, eager",
                                              "QuantizedCache int4 (quanto), eager"]
-    lrkv_cache, full_cache, quantized_cache = rows[0]["cache_GiB"], rows[2]["cache_GiB"], rows[4]["cache_GiB"]
+    lrkv_cache, full_cache, quantized_cache = rows[0]["cache_GiB"], rows[3]["cache_GiB"], rows[5]["cache_GiB"]
+    assert rows[1]["cache_GiB"] == lrkv_cache  # windowed RoPE changes what is computed, not what is stored
     # the budget plan's cache against the tiny fp32 model's full one: half its fraction of a 16-bit cache (0.26
     # at 64 tokens, where its 4 exact sink tokens weigh more than at 16K)
     assert 0.12 < lrkv_cache / full_cache < 0.135

@@ -44,12 +44,12 @@ def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outli
 def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blocks, k_block_rank, v_block_rank,
                k_bits, v_bits, k_group, v_group, sinks, window, length, spare, chunks, mask, padding, blind_row,
                rope, bias, absorb, tokens=1, mask_shape="padding", k_axis="token", k_outliers=0, v_outliers=0,
-               start_position=0, seed=0):
+               start_position=0, rope_window=0, seed=0):
     """Keyword arguments of latent_attention for a step of `tokens` new tokens (one: a decode step) ending `length`
     tokens: the earlier ones written by `reference.latent_write` in `chunks` writes, then the step's own write, as the
     cache does before attention. mask_shape: "padding" [batch, 1, 1, slots] (left padding only), "causal" [batch, 1,
     tokens, slots] (padding and causality, as transformers builds it), "per_head" [batch, heads, tokens, slots]
-    (random columns per head and token)."""
+    (random columns per head and token). rope_window: windowed RoPE (with rope)."""
     generator = torch.Generator().manual_seed(seed)
     heads = kv_heads * group_heads
     rank_k, rank_v = k_blocks * k_block_rank, v_blocks * v_block_rank
@@ -99,7 +99,8 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
         up_v=up_v, bias_v=torch.randn(kv_heads * head_dim, generator=generator).to(dtype) if bias and up_v is not None
         else None,
         inv_freq=inv_freq, rope_scale=0.75 if rope else 1.0, length=torch.tensor(length), attn_mask=attn_mask,
-        softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, **layout)
+        softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, **layout,
+        **({"rope_window": rope_window} if rope_window else {}))
     return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
 
 
@@ -161,7 +162,7 @@ def decode_cases(draw):
         length=length, spare=draw(st.integers(0, 5)), chunks=draw(st.integers(1, 3)), mask=mask,
         padding=mask != "none" and draw(st.booleans()), blind_row=mask != "none" and draw(st.booleans()),
         rope=draw(st.booleans()), bias=draw(st.booleans()), absorb=draw(st.booleans()),
-        seed=draw(st.integers(0, 2 ** 16)))
+        rope_window=draw(st.sampled_from([0, 0, 1, 5, 40])), seed=draw(st.integers(0, 2 ** 16)))
 
 
 @SETTINGS
@@ -206,6 +207,28 @@ def test_queries_turn_tile_by_tile_over_a_long_run_of_consecutive_positions(dtyp
     if not ON_GPU:  # the interpreter holds 4 programs on each of 4 multiprocessors: 16 rows fill them, one split
         assert triton_decode._splits(4 * 4, 4 * 4, 600, config.block_s) == 1
     check(kwargs, config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("scheme", ["head", "joint"])
+def test_windowed_rope_scores_far_slots_against_their_latents(dtype, padding, scheme):
+    """Windowed RoPE over several splits: with positions that run on, the tiles wholly beyond the window score
+    against the latents (head-wise: the first chunk of the queries in registers; joint: chunk by chunk), the tile
+    across the window's edge and the sinks turn their far slots to the edge; with left padding every tile does."""
+    blocks = dict(k_blocks=2, k_block_rank=32) if scheme == "head" else dict(k_blocks=1, k_block_rank=160)
+    check(build_case(**{**BASE, **blocks, "dtype": dtype, "padding": padding, "rope_window": 70,
+                        "start_position": 5000}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_by_tile(dtype):
+    """16-slot tiles and no exact copies: after the far tiles, the tile across the window's edge turns its queries
+    by its own first position, and the wholly near tiles after it carry on from there tile by tile."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
+                           "mask": "none", "padding": False, "length": 400, "rope_window": 90,
+                           "start_position": 2000})
+    check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
 def test_an_additive_mask_broadcast_over_the_batch():

@@ -63,7 +63,7 @@ def prefill_cases(draw):
         mask_shape=draw(st.sampled_from(["padding", "causal", "per_head"])),
         padding=mask != "none" and draw(st.booleans()), blind_row=mask != "none" and draw(st.booleans()),
         rope=draw(st.booleans()), bias=draw(st.booleans()), absorb=draw(st.booleans()),
-        seed=draw(st.integers(0, 2 ** 16)))
+        rope_window=draw(st.sampled_from([0, 0, 1, 6, 30])), seed=draw(st.integers(0, 2 ** 16)))
 
 
 @SETTINGS
@@ -82,6 +82,15 @@ BASE = dict(batch=2, kv_heads=2, group_heads=3, head_dim=64, dtype=torch.float32
 def test_late_positions_stay_exact(dtype):
     """Positions in the tens of thousands (RoPE angles reduced before the sine)."""
     check(build_prefill_case(**{**BASE, "dtype": dtype, "start_position": 30000}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scheme", ["head", "joint"])
+def test_windowed_rope_turns_far_slots_to_the_window_edge(dtype, scheme):
+    """Windowed RoPE in a chunk after earlier ones: each query scores the slots rope_window or more behind it against
+    its own turn to the window's edge, the nearer ones as RoPE turns them (the edge falls inside the chunk too)."""
+    blocks = {} if scheme == "head" else dict(k_blocks=1, k_block_rank=144)
+    check(build_prefill_case(**{**BASE, **blocks, "dtype": dtype, "rope_window": 10, "start_position": 3000}))
 
 
 def test_a_mask_broadcast_over_the_batch_and_the_heads():

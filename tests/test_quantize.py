@@ -164,31 +164,32 @@ def test_a_rank_rounded_to_whole_groups_warns_and_bits_must_be_integers():
         lrkv.Layout(bits=4.0)
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_plan_files_of_earlier_versions_load(tmp_path, version):
-    """Version 1 (no layouts: 16-bit latents), version 2 (RoPE groups, no context) and version 3 (no scale
-    axis) files, written as those releases wrote them, load as version 4 plans with the same sites and
-    factors."""
+    """Version 1 (no layouts: 16-bit latents), version 2 (RoPE groups, no context), version 3 (no scale
+    axis) and version 4 (no rope_window) files, written as those releases wrote them, load as version 5 plans with
+    the same sites and factors, and exact RoPE."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from lrkv_compile.plan import tensor_checksum
     # a version-2 quantized side had no sinks: it must load with none, not today's default
-    options = dict(bits_k=16, bits_v=4, group=8, sinks={2: 0, 3: 2}[version]) if version > 1 else {}
+    options = dict(bits_k=16, bits_v=4, group=8, sinks={2: 0, 3: 2, 4: 2}[version]) if version > 1 else {}
     plan = lrkv.RankPlan.uniform(build_model(SMALL), keep=0.5, progress=False, **options)
-    plan.save(tmp_path / "v4.safetensors")
-    with safe_open(str(tmp_path / "v4.safetensors"), framework="pt") as handle:
+    plan.save(tmp_path / "v5.safetensors")
+    with safe_open(str(tmp_path / "v5.safetensors"), framework="pt") as handle:
         meta = json.loads(handle.metadata()["lrkv_plan"])
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    del meta["checksum"]
-    for site in meta["sites"]:
-        for side in ("k_layout", "v_layout"):  # version 3 layouts had no scale axis
-            del site[side]["axis"]
-    if version == 3:
-        meta["schema_version"] = 3
+    del meta["checksum"], meta["rope_window"]
+    if version < 4:
+        for site in meta["sites"]:
+            for side in ("k_layout", "v_layout"):  # version 3 layouts had no scale axis
+                del site[side]["axis"]
+    if version >= 3:
+        meta["schema_version"] = version
         meta["checksum"] = tensor_checksum(tensors, meta)
         save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"lrkv_plan": json.dumps(meta)})
         loaded = lrkv.RankPlan.load(tmp_path / "old.safetensors")
-        assert loaded.schema_version == 4 and loaded.sites == plan.sites
+        assert loaded.schema_version == 5 and loaded.sites == plan.sites and loaded.rope_window == 0
         return
     del meta["context"]
     for site in meta["sites"]:
@@ -202,7 +203,8 @@ def test_plan_files_of_earlier_versions_load(tmp_path, version):
     meta["checksum"] = tensor_checksum(tensors, meta)
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"lrkv_plan": json.dumps(meta)})
     loaded = lrkv.RankPlan.load(tmp_path / "old.safetensors")
-    assert loaded.schema_version == 4 and loaded.sites == plan.sites and loaded.context == 4096
+    assert loaded.schema_version == 5 and loaded.sites == plan.sites and loaded.context == 4096
+    assert loaded.rope_window == 0
     for old, new in zip(plan.sites, loaded.sites):
         assert torch.equal(old.down_k, new.down_k) and torch.equal(old.up_v, new.up_v)
 

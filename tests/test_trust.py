@@ -271,10 +271,10 @@ def test_a_generator_of_batches_is_read_once():
 
 def test_schema_version_of_the_wrong_type_is_named():
     site = lrkv.RankPlan.uniform(build_model(SMALL), keep=0.5, progress=False).sites
-    with pytest.raises(lrkv.PlanError, match="schema_version='1' must be an integer, 4 for plans this lrkv writes"):
+    with pytest.raises(lrkv.PlanError, match="schema_version='1' must be an integer, 5 for plans this lrkv writes"):
         lrkv.RankPlan(sites=site, schema_version="1")
-    with pytest.raises(lrkv.PlanError, match="schema_version=5 is not readable"):
-        lrkv.RankPlan(sites=site, schema_version=5)
+    with pytest.raises(lrkv.PlanError, match="schema_version=6 is not readable"):
+        lrkv.RankPlan(sites=site, schema_version=6)
 
 
 def test_calibration_progress_counts_tokens(capsys):
