@@ -354,7 +354,8 @@ def windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq
     """q k^T under windowed RoPE: a key at position p_j seen from a query at p_i scores as RoPE turns it (`keys`,
     at p_j) where p_i - p_j < window, else as if at p_i - window: <R(p_i) q, R(p_i - window) k> =
     <R(window - p_i) q_rot, k>, the query turned once and the key as the projection made it (`plain`, no RoPE).
-    RoPE's scale multiplies the turned query as it multiplies the turned keys.
+    RoPE's scale multiplies the turned query as it multiplies the turned keys; channels past the rotary ones (partial
+    rotary) are scored as they are, near or far.
 
     query: [batch, heads, tokens, head_dim] (RoPE applied); keys, plain: [batch, kv_heads, slots, head_dim];
     query_positions: [batch|1, tokens]; key_positions: [batch, slots] -> float32 [batch, heads, tokens, slots]
@@ -363,7 +364,8 @@ def windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq
     kv_heads = keys.shape[1]
     query_positions = torch.broadcast_to(query_positions, (batch, tokens)).long()
     cos, sin = rope_tables(window - query_positions, inv_freq, rope_scale, torch.float32)
-    far_query = query.float() * cos[:, None] + rotate_half(query.float()) * sin[:, None]
+    turned, passed = query.float()[..., :cos.shape[-1]], query.float()[..., cos.shape[-1]:]  # partial rotary
+    far_query = torch.cat((turned * cos[:, None] + rotate_half(turned) * sin[:, None], passed), dim=-1)
     grouped = query.float().view(batch, kv_heads, heads // kv_heads, tokens, head_dim)
     near = grouped @ keys.float()[:, :, None].transpose(-1, -2)
     far = far_query.view_as(grouped) @ plain.float()[:, :, None].transpose(-1, -2)

@@ -269,7 +269,7 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
     """Plan every attention site of `model`; see `calibrate` for the arguments. With `batches` (or `stats`),
     factors are activation-aware (whitened SVD); without, plain SVD of the weights."""
     check_context(context)
-    check_rope_window(rope_window)
+    rope_window = check_rope_window(rope_window)
     sinks, window = _exact(sinks, window)
     if budget is not None:
         _budget_options(budget, method, dict(keep=keep, keep_k=keep_k, keep_v=keep_v, bits=bits, bits_k=bits_k,

@@ -232,7 +232,7 @@ class RankPlan:
     def __post_init__(self):
         _check_schema_version(self.schema_version, "schema_version")
         check_context(self.context)
-        check_rope_window(self.rope_window)
+        object.__setattr__(self, "rope_window", check_rope_window(self.rope_window))  # a plain int (JSON)
         if not self.sites:
             raise PlanError("a plan needs at least one site")
         previous = -1

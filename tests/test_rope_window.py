@@ -2,9 +2,10 @@
 formula written out on the model's own keys; how plans carry and refuse it."""
 import dataclasses
 
+import numpy
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import lrkv_compile as lrkv
@@ -16,11 +17,15 @@ WINDOW = 3
 
 
 def _turn(x, positions, inv_freq):
-    """Rotate-half RoPE of x [..., tokens, head_dim] at integer positions [tokens]."""
+    """Rotate-half RoPE of x [..., tokens, head_dim] at integer positions [tokens]: its first 2 len(inv_freq) channels
+    (all of them, or partial rotary)."""
     angles = positions.double()[:, None] * inv_freq.double()[None]
     cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
-    half = x.shape[-1] // 2
-    return (x.double() * cos + torch.cat((-x[..., half:], x[..., :half]), -1).double() * sin).to(x.dtype)
+    rotary = cos.shape[-1]
+    turned, passed = x[..., :rotary].double(), x[..., rotary:]
+    half = rotary // 2
+    turned = turned * cos + torch.cat((-turned[..., half:], turned[..., :half]), -1) * sin
+    return torch.cat((turned.to(x.dtype), passed), -1)
 
 
 def windowed_attention(module, query, key, value, attention_mask, scaling=None, **_):
@@ -55,17 +60,30 @@ def _steps(forward, cache, ids, steps):
     return torch.cat(logits, 1)
 
 
-def test_a_windowed_full_rank_plan_computes_windowed_rope_on_the_model():
+def _neox():
+    """A GPT-NeoX model with partial rotary: RoPE turns half of each head's 16 channels."""
+    torch.manual_seed(1)
+    config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, rotary_pct=0.5, max_position_embeddings=64,
+                           initializer_range=0.1)  # sharper attention than the default, so the window shows
+    config._attn_implementation = "sdpa"
+    return GPTNeoXForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox (partial rotary)"])
+def test_a_windowed_full_rank_plan_computes_windowed_rope_on_the_model(family):
     """Full rank (the factors reproduce K and V): the compiled model's prefill and decode steps equal the model with
     its attention replaced by windowed RoPE written out, and differ from exact RoPE."""
-    model = build_model(SPEC)
+    model = build_model(SPEC) if family == "llama" else _neox()
     plan = dataclasses.replace(lrkv.RankPlan.uniform(model, keep=1.0, progress=False), rope_window=WINDOW)
     ids = torch.randint(0, VOCAB, (2, 7))
     lm = lrkv.compile(model, plan)
     actual = _steps(lm, lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16), ids, 5)
     exact = _steps(model, DynamicCache(config=model.config), ids, 5)
-    for layer in model.model.layers:
-        layer.self_attn.lrkv_inv_freq = model.model.rotary_emb.inv_freq
+    inner = model.model if family == "llama" else model.gpt_neox
+    for layer in inner.layers:
+        attention = layer.self_attn if family == "llama" else layer.attention
+        attention.lrkv_inv_freq = inner.rotary_emb.inv_freq
     model.config._attn_implementation = "lrkv_test_windowed"
     expected = _steps(model, DynamicCache(config=model.config), ids, 5)
     torch.testing.assert_close(actual, expected, atol=2e-4, rtol=2e-4)
@@ -74,7 +92,7 @@ def test_a_windowed_full_rank_plan_computes_windowed_rope_on_the_model():
 
 def test_a_plan_keeps_its_rope_window_through_a_file(tmp_path):
     model = build_model(SPEC)
-    plan = dataclasses.replace(lrkv.RankPlan.uniform(model, keep=0.5, progress=False), rope_window=512)
+    plan = dataclasses.replace(lrkv.RankPlan.uniform(model, keep=0.5, progress=False), rope_window=numpy.int64(512))
     plan.save(tmp_path / "plan.safetensors")
     loaded = lrkv.RankPlan.load(tmp_path / "plan.safetensors")
     assert loaded.rope_window == 512 and "windowed RoPE beyond 512 tokens" in loaded.summary()
