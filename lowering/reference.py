@@ -14,6 +14,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x's first cos.shape[-1] channels by cos and sin (broadcast against them); the channels
+    after them (partial rotary) pass as they are."""
+    turned, passed = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
+
+
 def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, batch, indices):
     """Write new [batch, tokens, rank] latents of sequence indices `indices` ([tokens], consecutive, a tensor):
     quantized if bits < 16, and exact copies of the sinks (index < sinks) and of the last `window` indices (ring
@@ -223,8 +230,7 @@ def reconstruct_keys(latent_k, positions, inv_freq, rope_scale, up_k, bias_k, nu
         cos, sin = rope_tables(positions[:, None], inv_freq, rope_scale, keys.dtype, rope_cos, rope_sin)
     else:
         return keys
-    turned, passed = keys[..., :cos.shape[-1]], keys[..., cos.shape[-1]:]
-    return torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
+    return turn(keys, cos, sin)
 
 
 def _allowed(attn_mask, tokens, columns):
@@ -316,15 +322,17 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
             rows = rope_rows[:batch, columns.clamp_min(0)]
             if new_cos is not None:  # a ring's step, before its write, as with new_positions
                 rows[:, -tokens:] = step_rows(new_cos, new_sin, batch, tokens).to(rows.dtype)
-        keys = reconstruct_keys(latents_k.to(query.dtype), key_positions, inv_freq, rope_scale, up_k, bias_k,
-                                num_kv_heads, norm, rope_cos, rope_sin, rows)
-        if rope_window:
+        if rope_window:  # the keys as projected, and turned to their positions: windowed_scores takes both
             if inv_freq is None or rope_cos is not None or rope_rows is not None:
                 raise ValueError("rope_window needs RoPE computed from inv_freq (not cos/sin tables or stored rows)")
             plain = reconstruct_keys(latents_k.to(query.dtype), None, None, 1.0, up_k, bias_k, num_kv_heads, norm)
+            keys = turn(plain, *rope_tables(key_positions[:, None], inv_freq, rope_scale, plain.dtype))
             query_positions = new_positions if new_positions is not None else positions[:batch, slots - tokens:slots]
             scores = windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq, rope_scale,
                                      rope_window)
+        else:
+            keys = reconstruct_keys(latents_k.to(query.dtype), key_positions, inv_freq, rope_scale, up_k, bias_k,
+                                    num_kv_heads, norm, rope_cos, rope_sin, rows)
     # rounded to the model's dtype as the eager reference's fake-quantized latents are
     latent_values = latent_values.to(query.dtype).float()
     rank_v, slots = latent_values.shape[-1], latent_values.shape[1]
@@ -364,8 +372,7 @@ def windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq
     kv_heads = keys.shape[1]
     query_positions = torch.broadcast_to(query_positions, (batch, tokens)).long()
     cos, sin = rope_tables(window - query_positions, inv_freq, rope_scale, torch.float32)
-    turned, passed = query.float()[..., :cos.shape[-1]], query.float()[..., cos.shape[-1]:]  # partial rotary
-    far_query = torch.cat((turned * cos[:, None] + rotate_half(turned) * sin[:, None], passed), dim=-1)
+    far_query = turn(query.float(), cos[:, None], sin[:, None])
     grouped = query.float().view(batch, kv_heads, heads // kv_heads, tokens, head_dim)
     near = grouped @ keys.float()[:, :, None].transpose(-1, -2)
     far = far_query.view_as(grouped) @ plain.float()[:, :, None].transpose(-1, -2)

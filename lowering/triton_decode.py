@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.runtime.errors import OutOfResources
 
 from lrkv_compile.kernels import latent_decode
+from . import reference
 from .launch import launch as launch_kernel
 
 BITS = (16, 8, 4, 3, 2)
@@ -321,13 +322,10 @@ def far_queries(query, positions, length, inv_freq, up_k, bias_k, kv_heads, bloc
     the first columns, zeros after), and their products with the key bias [batch, kv_heads, columns] (None without
     one): q R(p - window) (c B_k + b_k)ᵀ = c (B_k R(window - p) q)ᵀ + b_k·R(...)q."""
     batch, heads, _, head_dim = query.shape
-    group, half = heads // kv_heads, head_dim // 2
+    group = heads // kv_heads
     at = positions[:batch].index_select(1, (length.reshape(1) - 1).long())  # [batch, 1]
-    angles = (window - at).float() * inv_freq.float()                        # [batch, half]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    q = query[:, :, 0].float()
-    q1, q2 = q[..., :half], q[..., half:]
-    turned = torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), -1).view(batch, kv_heads, group, head_dim)
+    cos, sin = reference.rope_tables(window - at, inv_freq, 1.0, torch.float32)  # RoPE's scale is in qk_scale
+    turned = reference.turn(query[:, :, 0].float(), cos, sin).view(batch, kv_heads, group, head_dim)
     rows = _per_head(up_k, kv_heads, blocks)                                 # [kv_heads, rank, head_dim]
     far = torch.zeros(batch, kv_heads, rows.shape[1], columns, dtype=torch.float32, device=query.device)
     far[..., :group] = torch.einsum("bkgd,krd->bkrg", turned, rows)
