@@ -216,7 +216,9 @@ def main():
                     continue
                 kwargs, read = build(shape, plan, batch, context, device)
                 quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
-                config = chosen.get((name, plan["plan"])) or default_config(plan["scheme"] == "head", quantized)
+                value_chunk = min(128, 1 << (int(plan["keep_v"] * shape["head_dim"]) - 1).bit_length())
+                config = chosen.get((name, plan["plan"])) or default_config(plan["scheme"] == "head", quantized,
+                                                                            value_chunk)
                 lrkv = time_ms(lambda: decode_attention_with(config, **kwargs))
                 error = None
                 if batch * context <= 16 * 4096:  # checked against the reference op where it fits

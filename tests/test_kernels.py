@@ -231,6 +231,15 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
+def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels():
+    """The 168-register cap of DEFAULT_HALVES spills a program holding 128 value channels (16-bit keep-0.5 keys with
+    full-rank values: 0.47 ms capped, 0.25 ms without the cap on an H200); codes and float32 keys never take it."""
+    assert triton_decode.default_config(True, False, 64) == triton_decode.DEFAULT_HALVES
+    assert triton_decode.default_config(True, False, 128) == triton_decode.DEFAULT
+    assert triton_decode.default_config(True, True, 32) == triton_decode.DEFAULT
+    assert triton_decode.default_config(False, False, 32) == triton_decode.DEFAULT
+
+
 def test_an_additive_mask_broadcast_over_the_batch():
     kwargs = build_case(**{**BASE, "mask": "additive", "padding": False, "length": 70})
     kwargs["attn_mask"] = kwargs["attn_mask"][:1]
