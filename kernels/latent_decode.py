@@ -157,17 +157,20 @@ def _windowed(pos, query_at, rope_window):
 
 
 @triton.jit
-def _consecutive(pos_row, lo, hi, CHECK: tl.constexpr):
-    """(every slot s of [lo, hi) holds position first + s - lo, first): one pass over the positions, so the tiles
-    need neither their positions nor a check of them."""
-    first = tl.load(pos_row + lo, mask=lo < hi, other=0)
-    bad = tl.zeros([CHECK], tl.int32)
+def _run_start(pos_row, lo, hi, BLOCK_S: tl.constexpr, CHECK: tl.constexpr):
+    """(run_lo, first): the tiles of [run_lo, hi) hold consecutive positions up to the last slot's (slot s at
+    first + s - run_lo), and run_lo is the first tile boundary from lo where that holds (lo itself in the usual case;
+    past the pads at left padding; hi where the last tile does not run on). One pass over the positions, so the
+    tiles of the run need neither their positions nor a check of them."""
+    offset = tl.load(pos_row + hi - 1, mask=lo < hi, other=0) - (hi - 1)  # a slot of the run holds offset + s
+    past = tl.full([CHECK], 0, tl.int32) + lo  # one past the latest slot off the run, per lane
     for s0 in range(lo, hi, CHECK):
         slots = s0 + tl.arange(0, CHECK)
         inside = slots < hi
         found = tl.load(pos_row + slots, mask=inside, other=0)
-        bad = tl.maximum(bad, tl.where(inside & (found != first + (slots - lo)), 1, 0))
-    return tl.max(bad, 0) == 0, first
+        past = tl.maximum(past, tl.where(inside & (found != offset + slots), slots + 1, lo))
+    run_lo = tl.minimum(lo + tl.cdiv(tl.max(past, 0) - lo, BLOCK_S) * BLOCK_S, hi)
+    return run_lo, offset + run_lo
 
 
 @triton.jit
@@ -365,27 +368,23 @@ def latent_decode_kernel(
     mid_hi = tl.where(high >= cached_hi, cached_hi, s_lo + tl.maximum(high - s_lo, 0) // BLOCK_S * BLOCK_S)
     mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), cached_hi)  # empty where the split holds no cached slot
     pos_row = pos_ptr + b * pos_sb
-    # positions consecutive over the middle tiles (the usual case): no tile loads its positions, and the queries
-    # turn from one tile's first position to the next by R(-BLOCK_S) (an fp32 product per tile, not a sine per
-    # frequency); else each tile loads its positions and turns the queries by its own first one
-    ordered, first = True, 0  # without RoPE the positions are not read
+    # the middle tiles from run_lo on hold consecutive positions (all of them in the usual case, those after the pads
+    # at left padding): no tile there loads its positions, and the queries turn from one tile's first position to
+    # the next by R(-BLOCK_S) (an fp32 product per tile, not a sine per frequency); each tile before run_lo loads
+    # its positions and turns the queries by its own first one
+    run_lo, first = mid_lo, 0  # without RoPE the positions are not read
     if HAS_ROPE:
-        ordered, first = _consecutive(pos_row, mid_lo, mid_hi, CHECK_BLOCK)
-    # the queries turned to the tile's first position
-    qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first, inv_freq_ptr, GROUP_HEADS, G_PAD, HALF, HAS_ROPE,
-                               FAST_MATH)
+        run_lo, first = _run_start(pos_row, mid_lo, mid_hi, BLOCK_S, CHECK_BLOCK)
     AHEAD: tl.constexpr = K_PACKED and ONE_K_CHUNK  # the key codes' scales loaded a tile ahead
     K_EVEN: tl.constexpr = K_BLOCK_RANK % K_CHUNK == 0
-    # windowed RoPE: the leading whole tiles of slots at least rope_window positions behind this step's (where the
-    # positions run on; else none) score in latent space; the queries' positions differ only at left padding
-    rebuild_lo, query_at, far_q, far_bias = mid_lo, 0, 0.0, 0.0
+    # windowed RoPE: the leading whole tiles of the run of slots at least rope_window positions behind this step's
+    # score in latent space; the queries' positions differ only at left padding
+    rebuild_lo, query_at, far_q, far_bias = run_lo, 0, 0.0, 0.0
     far_row = far_ptr + pid_bh * K_BLOCK_RANK * G_PAD
     if WINDOWED:
         query_at = tl.load(pos_row + last)
-        if ordered:
-            count = query_at - rope_window - first + 1  # slots from mid_lo on whose positions are far
-            rebuild_lo = tl.where(count >= mid_hi - mid_lo, mid_hi,
-                                  mid_lo + tl.maximum(count, 0) // BLOCK_S * BLOCK_S)
+        count = query_at - rope_window - first + 1  # slots from run_lo on whose positions are far
+        rebuild_lo = tl.where(count >= mid_hi - run_lo, mid_hi, run_lo + tl.maximum(count, 0) // BLOCK_S * BLOCK_S)
         if ONE_K_CHUNK:  # B_k's block of the KV head times R(rope_window - p) q, here (joint: the launcher's)
             far1, far2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, query_at - rope_window, inv_freq_ptr,
                                          GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
@@ -398,9 +397,9 @@ def latent_decode_kernel(
             far_bias = tl.load(far_bias_ptr + pid_bh * G_PAD + g)
         k_scale, k_zero = None, None
         if AHEAD:
-            k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, mid_lo, rebuild_lo, k_lo,
+            k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, run_lo, rebuild_lo, k_lo,
                                           k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
-        for t0 in range(mid_lo, rebuild_lo, BLOCK_S):
+        for t0 in range(run_lo, rebuild_lo, BLOCK_S):
             next_scale, next_zero = None, None
             if AHEAD:
                 next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0 + BLOCK_S,
@@ -418,29 +417,35 @@ def latent_decode_kernel(
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
                 True)
             k_scale, k_zero = next_scale, next_zero
-        if HAS_ROPE:  # the rest of the middle tiles start at rebuild_lo
-            qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first + (rebuild_lo - mid_lo), inv_freq_ptr,
-                                       GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
+    # the queries turned to the first position of the run's tiles that rebuild keys
+    qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first + (rebuild_lo - run_lo), inv_freq_ptr, GROUP_HEADS,
+                               G_PAD, HALF, HAS_ROPE, FAST_MATH)
+    # the tiles before the run (index below before), then those of the run from rebuild_lo
+    before = tl.cdiv(run_lo - mid_lo, BLOCK_S)  # run_lo is a tile boundary, or mid_hi
     k_scale, k_zero = None, None  # else each tile loads them itself
     if AHEAD:
-        k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, rebuild_lo, mid_hi, k_lo, k_hi,
-                                      K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
-    for t0 in range(rebuild_lo, mid_hi, BLOCK_S):
+        k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b,
+                                      tl.where(before > 0, mid_lo, rebuild_lo), mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK,
+                                      K_EVEN, BLOCK_S)
+    for tile in range(0, before + tl.cdiv(mid_hi - rebuild_lo, BLOCK_S)):
+        t0 = tl.where(tile < before, mid_lo + tile * BLOCK_S, rebuild_lo + (tile - before) * BLOCK_S)
+        in_run = tile >= before
         next_scale, next_zero = None, None
         if AHEAD:
-            next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0 + BLOCK_S, mid_hi,
-                                                k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
-        if ordered:
-            start = first + (t0 - mid_lo)
+            next_t0 = tl.where(tile + 1 < before, t0 + BLOCK_S, rebuild_lo + (tile + 1 - before) * BLOCK_S)
+            next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, next_t0, mid_hi, k_lo,
+                                                k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+        if in_run:
+            start = first + (t0 - run_lo)
             pos = start + delta
         else:
             pos = tl.load(pos_row + t0 + delta, mask=t0 + delta < mid_hi, other=0)
             start = tl.load(pos_row + t0)
-        tile_ordered = ordered
+        tile_ordered = in_run
         turned1, turned2 = qr1, qr2
         if WINDOWED:  # a tile holding far slots (across the window's edge, or unordered) turns them to the edge
             near = query_at - start < rope_window  # positions run on: every later slot of the tile is near too
-            tile_ordered = ordered & near
+            tile_ordered = in_run & near
             pos = _windowed(pos, query_at, rope_window)
             start = _windowed(start, query_at, rope_window)
             if EXACT_ANGLES:
@@ -453,7 +458,7 @@ def latent_decode_kernel(
             if EXACT_ANGLES:  # fp32 models: each tile's turn from its own angle, as the reference rounds it
                 turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS,
                                                    G_PAD, HALF, HAS_ROPE, FAST_MATH)
-            elif not ordered:
+            elif not in_run:
                 turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS,
                                                    G_PAD, HALF, HAS_ROPE, FAST_MATH)
         m_i, sums, acc = _attend_tile(
@@ -468,8 +473,9 @@ def latent_decode_kernel(
             V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
             HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S, False)
         if HAS_ROPE:
-            qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
-                        qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
+            if in_run:
+                qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
+                            qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
         k_scale, k_zero = next_scale, next_zero
     if K_EXACT or V_EXACT:  # the edge tiles [s_lo, mid_lo) and [mid_hi, cached_hi), one after the other
         first_edge = tl.cdiv(tl.maximum(mid_lo - s_lo, 0), BLOCK_S)

@@ -44,20 +44,22 @@ def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outli
 def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blocks, k_block_rank, v_block_rank,
                k_bits, v_bits, k_group, v_group, sinks, window, length, spare, chunks, mask, padding, blind_row,
                rope, bias, absorb, tokens=1, mask_shape="padding", k_axis="token", k_outliers=0, v_outliers=0,
-               start_position=0, rope_window=0, seed=0):
+               start_position=0, rope_window=0, seed=0, pads=None):
     """Keyword arguments of latent_attention for a step of `tokens` new tokens (one: a decode step) ending `length`
     tokens: the earlier ones written by `reference.latent_write` in `chunks` writes, then the step's own write, as the
     cache does before attention. mask_shape: "padding" [batch, 1, 1, slots] (left padding only), "causal" [batch, 1,
     tokens, slots] (padding and causality, as transformers builds it), "per_head" [batch, heads, tokens, slots]
-    (random columns per head and token). rope_window: windowed RoPE (with rope)."""
+    (random columns per head and token). rope_window: windowed RoPE (with rope). pads: each row's left padding
+    (else drawn where padding is set)."""
     generator = torch.Generator().manual_seed(seed)
     heads = kv_heads * group_heads
     rank_k, rank_v = k_blocks * k_block_rank, v_blocks * v_block_rank
     earlier, capacity = length - tokens, length + spare
     latents_k = torch.randn(batch, length, rank_k, generator=generator).to(dtype)
     latents_v = torch.randn(batch, length, rank_v, generator=generator).to(dtype)
-    pads = torch.randint(0, max(1, length - 1), (batch,), generator=generator) if padding else \
+    drawn = torch.randint(0, max(1, length - 1), (batch,), generator=generator) if padding else \
         torch.zeros(batch, dtype=torch.long)
+    pads = drawn if pads is None else torch.tensor(pads)
     visible = torch.arange(capacity)[None, :] >= pads[:, None]
     if blind_row:
         visible[-1] = False
@@ -219,6 +221,15 @@ def test_windowed_rope_scores_far_slots_against_their_latents(dtype, padding, sc
     blocks = dict(k_blocks=2, k_block_rank=32) if scheme == "head" else dict(k_blocks=1, k_block_rank=160)
     check(build_case(**{**BASE, **blocks, "dtype": dtype, "padding": padding, "rope_window": 70,
                         "start_position": 5000}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_windowed_rope_scores_far_tiles_after_left_padding_against_their_latents(dtype):
+    """At left padding the positions run on from the first tile boundary after the pads: the tiles from there that
+    are wholly beyond the window score against the latents, the tiles holding pads load their positions."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
+                           "length": 400, "pads": [5, 37], "rope_window": 90, "start_position": 2000})
+    check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
