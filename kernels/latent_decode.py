@@ -14,12 +14,13 @@ pipeline). This step's token comes from its exact latents last. Partial (max, su
 to small buffers [batch*kv_heads, splits, group, channels]; `combine_splits_kernel` reduces them.
 
 RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for
-δ < BLOCK_S is a table made once per program, so no slot pays for a sine. A split first checks that its positions
-run on consecutively (the usual case): then no tile loads its positions, and the queries, turned by R(-p0) once,
-turn on to the next tile by R(-BLOCK_S), an fp32 product per tile (full-precision cosines, so the drift over a
-split's tiles stays near float32 rounding). Otherwise each tile loads its positions and turns the queries by its
-own p0, and the keys of a tile whose positions are not consecutive (e.g. at left padding) turn on by the rest of
-their angle per slot. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle
+δ < BLOCK_S is a table made once per program, so no slot pays for a sine. A split first finds the tile boundary from
+which its positions run on consecutively to its last slot (its first slot in the usual case; the first boundary after
+the pads at left padding): those tiles load no positions, and the queries, turned by R(-p0) once, turn on to the
+next tile by R(-BLOCK_S), an fp32 product per tile (full-precision cosines, so the drift over a split's tiles stays
+near float32 rounding). Each tile before that boundary loads its positions and turns the queries by its own p0, and
+the keys of a tile whose positions are not consecutive (e.g. across the pads) turn on by the rest of their angle per
+slot. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle
 (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and correct that to
 first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 """
