@@ -133,6 +133,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def channel_chunk(block_rank: int) -> int:
+    """Latent channels of one side a program reads per tile: the block's rank up to a power of two, 16 to 128
+    (codes may widen it to their group)."""
+    return max(16, min(_pow2(block_rank), 128))
+
+
 def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, blocks, halves):
     """Kernel arguments and constants of one side (K or V); halves: the latents are float16 and the codes may be
     dequantized in float16 registers (PACKED)."""
@@ -142,7 +148,7 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
         raise NotImplementedError(f"{name}_axis={axis!r}: the Triton decode kernel reads 'token' and 'channel' scales")
     rank = new.shape[-1]
     block_rank = rank // blocks
-    chunk = max(16, min(_pow2(block_rank), 128))
+    chunk = channel_chunk(block_rank)
     dummy = latent
     side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new.reshape(new.shape[0], rank).contiguous(),
                 width=rank, sinks=0, window=0, BITS=bits, GROUP=1, FAST=False, EXACT=False, CHANNEL=False,

@@ -59,7 +59,7 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     latents_v = torch.randn(batch, length, rank_v, generator=generator).to(dtype)
     drawn = torch.randint(0, max(1, length - 1), (batch,), generator=generator) if padding else \
         torch.zeros(batch, dtype=torch.long)
-    pads = drawn if pads is None else torch.tensor(pads)
+    pads = drawn if pads is None else torch.tensor(pads)  # drawn either way: the later draws stay the same
     visible = torch.arange(capacity)[None, :] >= pads[:, None]
     if blind_row:
         visible[-1] = False
