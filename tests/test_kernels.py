@@ -242,6 +242,17 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
+@pytest.mark.parametrize("rope_window", [0, 100])
+def test_the_budget_layout_in_float16_over_several_splits(rope_window):
+    """The budget plan's layout at its own ranks (4-bit keys of rank 64 and 3-bit values of rank 128 per head, groups
+    of 32, sinks and a window of exact copies, left padding, several splits) in float16: on the GPU its codes are
+    dequantized in float16 registers (PACKED) and the key scales read a tile ahead, paths the interpreter does not
+    take."""
+    kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "k_block_rank": 64, "v_block_rank": 128,
+                           "length": 700, "rope_window": rope_window, "start_position": 3000})
+    check(kwargs)
+
+
 def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels():
     """The 168-register cap of DEFAULT_HALVES spills a program holding 128 value channels (16-bit keep-0.5 keys with
     full-rank values: 0.47 ms capped, 0.25 ms without the cap on an H200); codes and float32 keys never take it."""
