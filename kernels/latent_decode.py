@@ -185,6 +185,13 @@ def _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0, hi, k_lo, k_hi
 
 
 @triton.jit
+def _tile_start(tile, before, mid_lo, rebuild_lo, BLOCK_S: tl.constexpr):
+    """The first slot of the middle loop's tile: the `before` tiles ahead of the run from mid_lo, then the run's
+    tiles from rebuild_lo."""
+    return tl.where(tile < before, mid_lo + tile * BLOCK_S, rebuild_lo + (tile - before) * BLOCK_S)
+
+
+@triton.jit
 def _softmax_step(m_i, sums, scores, FAST_MATH: tl.constexpr):
     """Online softmax (base 2) over one more tile: scores [BLOCK_S, G_PAD] against the max [G_PAD] and the sums
     per slot of the tile [BLOCK_S, G_PAD] (added over the slots once, at the end). Returns the new max and sums,
@@ -426,16 +433,16 @@ def latent_decode_kernel(
     k_scale, k_zero = None, None  # else each tile loads them itself
     if AHEAD:
         k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b,
-                                      tl.where(before > 0, mid_lo, rebuild_lo), mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK,
-                                      K_EVEN, BLOCK_S)
+                                      _tile_start(0, before, mid_lo, rebuild_lo, BLOCK_S), mid_hi, k_lo, k_hi,
+                                      K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
     for tile in range(0, before + tl.cdiv(mid_hi - rebuild_lo, BLOCK_S)):
-        t0 = tl.where(tile < before, mid_lo + tile * BLOCK_S, rebuild_lo + (tile - before) * BLOCK_S)
+        t0 = _tile_start(tile, before, mid_lo, rebuild_lo, BLOCK_S)
         in_run = tile >= before
         next_scale, next_zero = None, None
         if AHEAD:
-            next_t0 = tl.where(tile + 1 < before, t0 + BLOCK_S, rebuild_lo + (tile + 1 - before) * BLOCK_S)
-            next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, next_t0, mid_hi, k_lo,
-                                                k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+            next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b,
+                                                _tile_start(tile + 1, before, mid_lo, rebuild_lo, BLOCK_S), mid_hi,
+                                                k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
         if in_run:
             start = first + (t0 - run_lo)
             pos = start + delta
