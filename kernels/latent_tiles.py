@@ -74,6 +74,17 @@ def _as_float(codes):
 
 
 @triton.jit
+def three_bit_byte(byte, width):
+    """Where byte `byte` of a 3-bit code stream of `width` bytes is stored (`quantize.three_bit_order`)."""
+    block = byte // 12
+    unit = byte // 48
+    whole = width // 12
+    blocks = tl.minimum(whole - 4 * unit, 4)
+    stored = 48 * unit + 4 * (((byte % 12) // 4) * blocks + block % 4) + byte % 4
+    return tl.where(block < whole, stored, byte)
+
+
+@triton.jit
 def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi, width,
                   BITS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
                   DTYPE: tl.constexpr, EVEN: tl.constexpr):
@@ -94,16 +105,15 @@ def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
     if BITS == 3:
         WORDS: tl.constexpr = GROUP // 8
         byte = (group[:, None] * WORDS + tl.arange(0, WORDS)[None, :]) * 3            # [GROUPS, WORDS]
-        at = codes_ptr + rows[:, None, None] + byte[None, :, :]
+        at = codes_ptr + rows[:, None, None]
         ok = slot_ok[:, None, None]
-        if EVEN:
-            word = tl.load(at, mask=ok, other=0).to(tl.int32)
-            word |= tl.load(at + 1, mask=ok, other=0).to(tl.int32) << 8
-            word |= tl.load(at + 2, mask=ok, other=0).to(tl.int32) << 16
-        else:
-            word = tl.load(at, mask=ok & (byte < width)[None], other=0).to(tl.int32)
-            word |= tl.load(at + 1, mask=ok & (byte + 1 < width)[None], other=0).to(tl.int32) << 8
-            word |= tl.load(at + 2, mask=ok & (byte + 2 < width)[None], other=0).to(tl.int32) << 16
+        word = tl.zeros(ok.shape, tl.int32)
+        for k in tl.static_range(3):  # each byte where three_bit_order stores it
+            stored = three_bit_byte(byte + k, width)[None, :, :]
+            if EVEN:
+                word |= tl.load(at + stored, mask=ok, other=0).to(tl.int32) << (8 * k)
+            else:
+                word |= tl.load(at + stored, mask=ok & (byte + k < width)[None], other=0).to(tl.int32) << (8 * k)
         even = tl.join(tl.join(_dequant(word & 7, scale, zero, DTYPE),
                                _dequant((word >> 12) & 7, scale, zero, DTYPE)),
                        tl.join(_dequant((word >> 6) & 7, scale, zero, DTYPE),
@@ -173,12 +183,13 @@ def packed_scales(scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi, GROUP: t
 
 
 @triton.jit
-def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi,
+def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi, width,
                 BITS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
                 EVEN: tl.constexpr, scale=None, zero=None):
     """float16 latents [BLOCK_S, CHUNK] of channels ch0 + packed_order (ch0, CHUNK and ch_hi multiples of GROUP,
-    itself a multiple of 8 for 4 bits, of 32 for 3; CHUNK of 32), from codes read as int32 words (rows: each
-    slot's byte offset, a multiple of 4) and dequantized two at a time in float16 registers (FOUR_BIT_ASM,
+    itself a multiple of 8 for 4 bits, of 32 for 3; CHUNK of 32; at 3 bits, ch0 a multiple of CHUNK, so that the
+    chunk's blocks lie in one unit of `quantize.three_bit_order`; width: a slot's bytes), from codes read as int32
+    words (rows: each slot's byte offset, a multiple of 4) and dequantized two at a time in float16 registers (FOUR_BIT_ASM,
     THREE_BIT_ASM_*). Exact where the reference's float32 result rounds to the same float16, as codes and float16
     scales make likely. scale, zero: the groups' (packed_scales), where the caller loaded them ahead."""
     GROUPS: tl.constexpr = CHUNK // GROUP
@@ -204,11 +215,22 @@ def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, 
                             (0, 2, 3, 4, 1, 5))
     else:
         BLOCKS: tl.constexpr = GROUP // 32  # 32 codes in 12 bytes, three int32 words
-        word = (group[:, None] * (3 * BLOCKS) + 3 * tl.arange(0, BLOCKS)[None, :])[None, :, :]
-        at = words_ptr + (rows // 4)[:, None, None] + word
+        # the chunk's blocks lie in one unit of three_bit_order (the launcher's PACKED): the unit's first words
+        # of its n blocks, then its second words, then its third
+        # (the chunk's CHUNK // 32 blocks start at a multiple of their count, so the loads stay vectors)
+        block = ch0 // 32
+        unit = block // 4
+        if CHUNK == 128:  # the whole unit
+            n = 4
+            word = 12 * unit + (tl.arange(0, GROUPS)[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
+        else:
+            n = tl.multiple_of(tl.minimum(width // 12 - 4 * unit, 4), CHUNK // 32)
+            word = 12 * unit + tl.multiple_of(block % 4, CHUNK // 32) \
+                + (tl.arange(0, GROUPS)[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
+        at = words_ptr + (rows // 4)[:, None, None] + word[None, :, :]
         first = tl.load(at, mask=ok, other=0)
-        middle = tl.load(at + 1, mask=ok, other=0)
-        last = tl.load(at + 2, mask=ok, other=0)
+        middle = tl.load(at + n, mask=ok, other=0)
+        last = tl.load(at + 2 * n, mask=ok, other=0)
         shape: tl.constexpr = first.shape
         scale = tl.broadcast_to(scale, shape)
         zero = tl.broadcast_to(zero, shape)
@@ -241,10 +263,15 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
     coded = ok & (ch >= OUTLIERS)[None, :]
     bit = quantized * BITS
     byte = 2 * OUTLIERS + bit // 8
-    at = codes_ptr + rows[:, None] + byte[None, :]
-    codes = tl.load(at, mask=coded & (byte < width)[None, :], other=0).to(tl.int32)
-    if BITS == 3:
-        codes |= tl.load(at + 1, mask=coded & (byte + 1 < width)[None, :], other=0).to(tl.int32) << 8
+    at = codes_ptr + rows[:, None]
+    if BITS == 3:  # the stream's two bytes where three_bit_order stores them
+        stream = width - 2 * OUTLIERS
+        codes = tl.load(at + 2 * OUTLIERS + three_bit_byte(bit // 8, stream)[None, :],
+                        mask=coded & (byte < width)[None, :], other=0).to(tl.int32)
+        codes |= tl.load(at + 2 * OUTLIERS + three_bit_byte(bit // 8 + 1, stream)[None, :],
+                         mask=coded & (byte + 1 < width)[None, :], other=0).to(tl.int32) << 8
+    else:
+        codes = tl.load(at + byte[None, :], mask=coded & (byte < width)[None, :], other=0).to(tl.int32)
     codes = (codes >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
     column = quantized if CHANNEL else quantized // GROUP
     scale = tl.load(scale_ptr + scale_rows[:, None] + column[None, :], mask=coded, other=0.0).to(tl.float32)
@@ -273,7 +300,7 @@ def _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, sl
             values = tl.load(at, mask=slot_ok[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
     elif PACKED:
         values = packed_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
-                             slot_ok, ch0, ch_hi, BITS, GROUP, CHUNK, BLOCK_S, EVEN, scale, zero)
+                             slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, EVEN, scale, zero)
     elif FAST:
         values = grouped_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
                                slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE, EVEN)

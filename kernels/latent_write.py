@@ -4,13 +4,16 @@ code only; the launcher is `lowering/triton_write.py`, the oracle `reference.lat
 One program per (batch row, new token). A 16-bit side copies the latent to its slot. A quantized side (per-token
 scales, groups of a multiple of 8 channels, no float16 outlier channels) reads the latent as runs of 8 channels,
 [RUNS, 8]: 8 codes of `BITS` bits fill exactly `BITS` bytes, so each run packs into one little-endian word and
-is stored as its bytes (`quantize.pack_codes`' stream). A group's scale and zero point come from its runs' min and
-max, rounded to float16 as the reference stores them, and codes are rounded half to even against the stored
-float16 values (IEEE division), so the bytes equal the reference's. Exact copies go where the reference keeps
+is stored as its bytes (`quantize.pack_codes`' stream; 3-bit bytes where `quantize.three_bit_order` puts them). A
+group's scale and zero point come from its runs' min and max, rounded to float16 as the reference stores them, and
+codes are rounded half to even against the stored float16 values (IEEE division), so the bytes equal the
+reference's. Exact copies go where the reference keeps
 them: sinks (index < sinks) and the ring of the last `window` indices of the write.
 """
 import triton
 import triton.language as tl
+
+from .latent_tiles import three_bit_byte
 
 
 @triton.jit
@@ -56,10 +59,13 @@ def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, sca
         codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0).to(tl.int64)
         codes = tl.reshape(codes, (RUNS, 8))
         word = tl.sum(codes << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)   # [RUNS]: BITS bytes each
-        at = latent_ptr + b * lat_sb + slot * lat_ss + tl.arange(0, RUNS) * BITS
+        at = latent_ptr + b * lat_sb + slot * lat_ss
         stored = tl.arange(0, RUNS) * 8 < RANK
         for byte in tl.static_range(BITS):
-            tl.store(at + byte, ((word >> (8 * byte)) & 255).to(tl.uint8), mask=stored)
+            place = tl.arange(0, RUNS) * BITS + byte
+            if BITS == 3:  # where three_bit_order stores the stream's byte
+                place = three_bit_byte(place, RANK * 3 // 8)
+            tl.store(at + place, ((word >> (8 * byte)) & 255).to(tl.uint8), mask=stored)
     if HAS_EXACT:
         copy = new.to(exact_ptr.dtype.element_ty)
         if index < sinks:

@@ -242,14 +242,17 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
+@pytest.mark.parametrize("kv_heads, v_block_rank", [(2, 128), (3, 64), (3, 32)])
 @pytest.mark.parametrize("rope_window", [0, 100])
-def test_the_budget_layout_in_float16_over_several_splits(rope_window):
+def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads, v_block_rank):
     """The budget plan's layout at its own ranks (4-bit keys of rank 64 and 3-bit values of rank 128 per head, groups
     of 32, sinks and a window of exact copies, left padding, several splits) in float16: on the GPU its codes are
     dequantized in float16 registers (PACKED) and the key scales read a tile ahead, paths the interpreter does not
-    take."""
-    kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "k_block_rank": 64, "v_block_rank": 128,
-                           "length": 700, "rope_window": rope_window, "start_position": 3000})
+    take. Values of rank 64 and 32 per head over three heads read chunks of two and one 32-code blocks of 3-bit
+    codes, in units of `three_bit_order` of four, two and three blocks."""
+    kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "kv_heads": kv_heads, "k_blocks": kv_heads,
+                           "v_blocks": kv_heads, "k_block_rank": 64, "v_block_rank": v_block_rank, "length": 700,
+                           "rope_window": rope_window, "start_position": 3000})
     check(kwargs)
 
 

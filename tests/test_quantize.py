@@ -19,12 +19,26 @@ SMALL = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_s
 
 
 @SETTINGS
-@given(bits=st.sampled_from(QUANTIZED_BITS), rank=st.integers(1, 70), rows=st.integers(1, 5), seed=st.integers(0, 99))
+@given(bits=st.sampled_from(QUANTIZED_BITS), rank=st.integers(1, 300), rows=st.integers(1, 5), seed=st.integers(0, 99))
 def test_packing_round_trips(bits, rank, rows, seed):
     codes = torch.randint(0, 2 ** bits, (rows, 3, rank), generator=torch.Generator().manual_seed(seed))
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (rows, 3, packed_width(rank, bits))
     assert torch.equal(unpack_codes(packed, bits, rank), codes.to(torch.int32))
+
+
+def test_three_bit_codes_store_each_units_words_in_order_of_their_place_in_a_block():
+    """3-bit codes: the plain little-endian stream (code i at bits 3i..3i+2), then per unit of up to four whole
+    blocks of 32 codes (three 4-byte words each) the first words of its blocks, their second words, their third;
+    the bytes after the last whole block stay at the end. 232 codes: a unit of four blocks, one of three, 3 bytes."""
+    rank = 232
+    codes = torch.randint(0, 8, (2, rank), generator=torch.Generator().manual_seed(0))
+    stream = torch.tensor([list(sum(int(c) << (3 * i) for i, c in enumerate(row)).to_bytes(87, "little"))
+                           for row in codes.tolist()], dtype=torch.uint8)
+    words = stream[:, :84].reshape(2, 7, 3, 4)                                        # [row, block, word, byte]
+    expected = torch.cat((words[:, :4].transpose(1, 2).reshape(2, 48), words[:, 4:].transpose(1, 2).reshape(2, 36),
+                          stream[:, 84:]), 1)
+    assert torch.equal(pack_codes(codes, 3), expected)
 
 
 @SETTINGS
