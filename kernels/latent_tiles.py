@@ -187,11 +187,12 @@ def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, 
                 BITS: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
                 EVEN: tl.constexpr, scale=None, zero=None):
     """float16 latents [BLOCK_S, CHUNK] of channels ch0 + packed_order (ch0, CHUNK and ch_hi multiples of GROUP,
-    itself a multiple of 8 for 4 bits, of 32 for 3; CHUNK of 32; at 3 bits, ch0 a multiple of CHUNK, so that the
-    chunk's blocks lie in one unit of `quantize.three_bit_order`; width: a slot's bytes), from codes read as int32
-    words (rows: each slot's byte offset, a multiple of 4) and dequantized two at a time in float16 registers (FOUR_BIT_ASM,
-    THREE_BIT_ASM_*). Exact where the reference's float32 result rounds to the same float16, as codes and float16
-    scales make likely. scale, zero: the groups' (packed_scales), where the caller loaded them ahead."""
+    itself a multiple of 8 for 4 bits, of 32 for 3; CHUNK of 32; at 3 bits, ch0 and the row's rank multiples of
+    CHUNK, so that the chunk's blocks lie in one unit of `quantize.three_bit_order`; width: a slot's bytes), from
+    codes read as int32 words (rows: each slot's byte offset, a multiple of 4) and dequantized two at a time in
+    float16 registers (FOUR_BIT_ASM, THREE_BIT_ASM_*). Exact where the reference's float32 result rounds to the
+    same float16, as codes and float16 scales make likely. scale, zero: the groups' (packed_scales), where the
+    caller loaded them ahead."""
     GROUPS: tl.constexpr = CHUNK // GROUP
     words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     group = ch0 // GROUP + tl.arange(0, GROUPS)
@@ -215,9 +216,10 @@ def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, 
                             (0, 2, 3, 4, 1, 5))
     else:
         BLOCKS: tl.constexpr = GROUP // 32  # 32 codes in 12 bytes, three int32 words
-        # the chunk's blocks lie in one unit of three_bit_order (the launcher's PACKED): the unit's first words
-        # of its n blocks, then its second words, then its third
-        # (the chunk's CHUNK // 32 blocks start at a multiple of their count, so the loads stay vectors)
+        # the chunk's blocks lie in one unit of three_bit_order: the unit's first words of its n blocks, then
+        # their second words, then their third. The hints hold as the launcher's PACKED asks: the chunk's
+        # CHUNK // 32 blocks start at a multiple of their count, and the row's whole blocks are a multiple of it
+        # too, so is n
         block = ch0 // 32
         unit = block // 4
         if CHUNK == 128:  # the whole unit

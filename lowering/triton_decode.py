@@ -172,7 +172,8 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     fast = (not channel and not outliers and group & (group - 1) == 0 and group <= chunk and block_rank % group == 0
             and (group * bits) % (24 if bits == 3 else 8) == 0)
     # whole int32 words per group (8 codes at 4 bits, 32 in three words at 3) on 4-byte aligned rows; at 3 bits
-    # each chunk starts a multiple of its size in, so its blocks lie in one unit of `quantize.three_bit_order`
+    # each chunk starts a multiple of its size in (and the rank is a multiple of it), so its blocks lie in one unit
+    # of `quantize.three_bit_order` (packed_tile)
     packed = (halves and fast and bits in (3, 4) and group % (8 if bits == 4 else 32) == 0 and chunk % 32 == 0
               and (bits == 4 or block_rank % chunk == 0)
               and latent.stride(0) % 4 == 0 and latent.stride(1) % 4 == 0 and latent.data_ptr() % 4 == 0)
