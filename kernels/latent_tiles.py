@@ -109,11 +109,11 @@ def grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
         ok = slot_ok[:, None, None]
         word = tl.zeros(ok.shape, tl.int32)
         for k in tl.static_range(3):  # each byte where three_bit_order stores it
+            inside = ok
+            if not EVEN:
+                inside = ok & (byte + k < width)[None]
             stored = three_bit_byte(byte + k, width)[None, :, :]
-            if EVEN:
-                word |= tl.load(at + stored, mask=ok, other=0).to(tl.int32) << (8 * k)
-            else:
-                word |= tl.load(at + stored, mask=ok & (byte + k < width)[None], other=0).to(tl.int32) << (8 * k)
+            word |= tl.load(at + stored, mask=inside, other=0).to(tl.int32) << (8 * k)
         even = tl.join(tl.join(_dequant(word & 7, scale, zero, DTYPE),
                                _dequant((word >> 12) & 7, scale, zero, DTYPE)),
                        tl.join(_dequant((word >> 6) & 7, scale, zero, DTYPE),
@@ -222,13 +222,12 @@ def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, 
         # too, so is n
         block = ch0 // 32
         unit = block // 4
-        if CHUNK == 128:  # the whole unit
-            n = 4
-            word = 12 * unit + (tl.arange(0, GROUPS)[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
+        if CHUNK == 128:  # the whole unit, from its first block
+            n, first_block = 4, 0
         else:
             n = tl.multiple_of(tl.minimum(width // 12 - 4 * unit, 4), CHUNK // 32)
-            word = 12 * unit + tl.multiple_of(block % 4, CHUNK // 32) \
-                + (tl.arange(0, GROUPS)[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
+            first_block = tl.multiple_of(block % 4, CHUNK // 32)
+        word = 12 * unit + first_block + (tl.arange(0, GROUPS)[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
         at = words_ptr + (rows // 4)[:, None, None] + word[None, :, :]
         first = tl.load(at, mask=ok, other=0)
         middle = tl.load(at + n, mask=ok, other=0)
@@ -266,14 +265,13 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
     bit = quantized * BITS
     byte = 2 * OUTLIERS + bit // 8
     at = codes_ptr + rows[:, None]
-    if BITS == 3:  # the stream's two bytes where three_bit_order stores them
-        stream = width - 2 * OUTLIERS
-        codes = tl.load(at + 2 * OUTLIERS + three_bit_byte(bit // 8, stream)[None, :],
-                        mask=coded & (byte < width)[None, :], other=0).to(tl.int32)
-        codes |= tl.load(at + 2 * OUTLIERS + three_bit_byte(bit // 8 + 1, stream)[None, :],
-                         mask=coded & (byte + 1 < width)[None, :], other=0).to(tl.int32) << 8
-    else:
-        codes = tl.load(at + byte[None, :], mask=coded & (byte < width)[None, :], other=0).to(tl.int32)
+    stored = byte
+    if BITS == 3:  # the stream's bytes where three_bit_order stores them
+        stored = 2 * OUTLIERS + three_bit_byte(bit // 8, width - 2 * OUTLIERS)
+    codes = tl.load(at + stored[None, :], mask=coded & (byte < width)[None, :], other=0).to(tl.int32)
+    if BITS == 3:
+        stored = 2 * OUTLIERS + three_bit_byte(bit // 8 + 1, width - 2 * OUTLIERS)
+        codes |= tl.load(at + stored[None, :], mask=coded & (byte + 1 < width)[None, :], other=0).to(tl.int32) << 8
     codes = (codes >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
     column = quantized if CHANNEL else quantized // GROUP
     scale = tl.load(scale_ptr + scale_rows[:, None] + column[None, :], mask=coded, other=0.0).to(tl.float32)

@@ -42,12 +42,12 @@ def packed_width(rank: int, bits: int) -> int:
     return -(-rank * bits // 8)
 
 
-def three_bit_order(width: int) -> torch.Tensor:
-    """int64 [width]: where each byte of a 3-bit code stream of `width` bytes is stored. Byte b lies in word
+def three_bit_order(width: int, device=None) -> torch.Tensor:
+    """int64 [width] on `device`: where each byte of a 3-bit code stream of `width` bytes is stored. Byte b lies in word
     j = (b % 12) // 4 of block k = b // 12 (32 codes); block k is block i = k % 4 of unit u = k // 4, which holds
     n = min(4, whole blocks - 4u) blocks; the word goes to word j * n + i of the unit (48 bytes from 48u). Bytes
     past the last whole block stay where they are. One block (or none) is the plain stream."""
-    byte = torch.arange(width)
+    byte = torch.arange(width, device=device)  # built where the codes are: no copy from the host per write
     block, unit = byte // 12, byte // 48
     whole = width // 12
     blocks = (whole - 4 * unit).clamp(max=4)
@@ -70,7 +70,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits != 3:
         return stream
     stored = torch.empty_like(stream)
-    stored[..., three_bit_order(stream.shape[-1]).to(stream.device)] = stream
+    stored[..., three_bit_order(stream.shape[-1], stream.device)] = stream
     return stored
 
 
@@ -78,7 +78,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, rank: int) -> torch.Tensor:
     """Inverse of `pack_codes`: uint8 [..., width] -> int32 [..., rank]."""
     runs = -(-rank // 8)
     if bits == 3:
-        packed = packed[..., three_bit_order(packed.shape[-1]).to(packed.device)]
+        packed = packed[..., three_bit_order(packed.shape[-1], packed.device)]
     stream = torch.nn.functional.pad(packed, (0, runs * bits - packed.shape[-1])).to(torch.int64)
     words = (stream.unflatten(-1, (runs, bits)) << (8 * torch.arange(bits, device=packed.device))).sum(-1)
     codes = (words[..., None] >> (bits * torch.arange(8, device=packed.device))) & (2 ** bits - 1)
