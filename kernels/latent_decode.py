@@ -88,8 +88,10 @@ def _angle_rest(pos, start, offset, inv_freq):
 
 
 @triton.jit
-def _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND: tl.constexpr):
-    """(visible, additive) of `slots`: the boolean mask's verdict, and the additive mask's term (0 without one)."""
+def _visibility(mask, b, slots, slot_ok, MASK_KIND: tl.constexpr):
+    """(visible, additive) of `slots`: the boolean mask's verdict, and the additive mask's term (0 without one);
+    mask: (pointer, batch stride, slot stride)."""
+    mask_ptr, mask_sb, mask_ss = mask
     visible = slot_ok
     additive = tl.zeros(slots.shape, tl.float32)
     if MASK_KIND == 1:
@@ -175,10 +177,11 @@ def _run_start(pos_row, lo, hi, BLOCK_S: tl.constexpr, CHECK: tl.constexpr):
 
 
 @triton.jit
-def _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0, hi, k_lo, k_hi, K_GROUP: tl.constexpr,
-                K_CHUNK: tl.constexpr, EVEN: tl.constexpr, BLOCK_S: tl.constexpr):
+def _key_scales(k_cache, b, t0, hi, k_lo, k_hi, K_GROUP: tl.constexpr, K_CHUNK: tl.constexpr, EVEN: tl.constexpr,
+                BLOCK_S: tl.constexpr):
     """The packed key codes' (scales, zero points) of the tile at t0 (slots below hi). The main loop loads them a
     tile ahead: 2-byte loads stay out of the software pipeline, so each tile waited on them."""
+    _, _, _, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, _, _, _, _, _, _ = k_cache  # see latent_tiles.latent_tile
     slots = t0 + tl.arange(0, BLOCK_S)
     return packed_scales(k_scale_ptr, k_zero_ptr, b * k_sz_sb + slots * k_sz_ss, slots < hi, k_lo, k_hi, K_GROUP,
                          K_CHUNK, EVEN)
@@ -205,12 +208,8 @@ def _softmax_step(m_i, sums, scores, FAST_MATH: tl.constexpr):
 
 @triton.jit
 def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, q1r, q2r, cos_delta, sin_delta,
-                 inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
-                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
-                 k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col,
-                 bias1, bias2, k_scale_ahead, k_zero_ahead, far_q, far_row, far_bias,
-                 v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
-                 v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi,
+                 inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
+                 bias2, k_scale_ahead, k_zero_ahead, far_q, far_row, far_bias, v_cache, v_lo, v_hi,
                  HALF: tl.constexpr, G_PAD: tl.constexpr,
                  K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                  K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
@@ -240,11 +239,9 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
         key1 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)  # the keys' two halves
         key2 = tl.zeros([BLOCK_S, HALF], KEY_DTYPE)
     for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
-        latent = latent_tile(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
-                             k_exact_ptr, k_ex_sb, k_ex_ss, b, t0, slots, slot_ok, k_lo + c, k_hi, length,
-                             k_width, k_sinks, k_window, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-                             K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0, K_PACKED, k_scale_ahead,
-                             k_zero_ahead)
+        latent = latent_tile(k_cache, b, t0, slots, slot_ok, k_lo + c, k_hi, length, K_BITS, K_GROUP, K_FAST,
+                             K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0,
+                             K_PACKED, k_scale_ahead, k_zero_ahead)
         if FAR:
             if ONE_K_CHUNK:
                 right = far_q
@@ -287,13 +284,11 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
                 key1, key2 = key1 - rest * key2, key2 + rest * key1
         scores = _mm(key1, q1r, tl.zeros([BLOCK_S, G_PAD], tl.float32), DOT_DTYPE, IEEE)    # [BLOCK_S, G_PAD]
         scores = _mm(key2, q2r, scores, DOT_DTYPE, IEEE)
-    visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, slots, slot_ok, MASK_KIND)
+    visible, additive = _visibility(mask, b, slots, slot_ok, MASK_KIND)
     scores = tl.where(visible[:, None], scores * qk_scale + additive[:, None] * LOG2E, float("-inf"))
     m_i, sums, alpha, p = _softmax_step(m_i, sums, scores, FAST_MATH)
-    values = latent_tile(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
-                         v_exact_ptr, v_ex_sb, v_ex_ss, b, t0, slots, slot_ok, v_lo, v_hi, length,
-                         v_width, v_sinks, v_window, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-                         V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0, V_PACKED)
+    values = latent_tile(v_cache, b, t0, slots, slot_ok, v_lo, v_hi, length, V_BITS, V_GROUP, V_FAST, V_EXACT,
+                         V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0, V_PACKED)
     acc = _mm(tl.trans(p), values, acc * alpha[:, None], DOT_DTYPE, IEEE)
     return m_i, sums, acc
 
@@ -328,6 +323,12 @@ def latent_decode_kernel(
     far_ptr and far_bias_ptr for joint ones), the rest with keys turned to their positions, the far ones among them
     to the window's edge."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
+    # each side of the cache as latent_tiles.latent_tile takes it
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+               k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+               v_width, v_sinks, v_window)
+    mask = (mask_ptr, mask_sb, mask_ss)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     length, s_lo, s_hi = _split_range(length_ptr, num_splits, BLOCK_S)
     last = length - 1
@@ -405,21 +406,17 @@ def latent_decode_kernel(
             far_bias = tl.load(far_bias_ptr + pid_bh * G_PAD + g)
         k_scale, k_zero = None, None
         if AHEAD:
-            k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, run_lo, rebuild_lo, k_lo,
-                                          k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+            k_scale, k_zero = _key_scales(k_cache, b, run_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
+                                          BLOCK_S)
         for t0 in range(run_lo, rebuild_lo, BLOCK_S):
             next_scale, next_zero = None, None
             if AHEAD:
-                next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b, t0 + BLOCK_S,
-                                                    rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+                next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, rebuild_lo, k_lo, k_hi, K_GROUP,
+                                                    K_CHUNK, K_EVEN, BLOCK_S)
             m_i, sums, acc = _attend_tile(
                 m_i, sums, acc, t0, 0, 0, True, rebuild_lo, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr, qk_scale,
-                mask_ptr, mask_sb, mask_ss,
-                k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
-                k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
-                bias2, k_scale, k_zero, far_q, far_row, far_bias,
-                v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
-                v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
+                mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero,
+                far_q, far_row, far_bias, v_cache, v_lo, v_hi, HALF, G_PAD,
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
@@ -432,17 +429,15 @@ def latent_decode_kernel(
     before = tl.cdiv(run_lo - mid_lo, BLOCK_S)  # run_lo is a tile boundary, or mid_hi
     k_scale, k_zero = None, None  # else each tile loads them itself
     if AHEAD:
-        k_scale, k_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b,
-                                      _tile_start(0, before, mid_lo, rebuild_lo, BLOCK_S), mid_hi, k_lo, k_hi,
-                                      K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+        k_scale, k_zero = _key_scales(k_cache, b, _tile_start(0, before, mid_lo, rebuild_lo, BLOCK_S), mid_hi, k_lo,
+                                      k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
     for tile in range(0, before + tl.cdiv(mid_hi - rebuild_lo, BLOCK_S)):
         t0 = _tile_start(tile, before, mid_lo, rebuild_lo, BLOCK_S)
         in_run = tile >= before
         next_scale, next_zero = None, None
         if AHEAD:
-            next_scale, next_zero = _key_scales(k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, b,
-                                                _tile_start(tile + 1, before, mid_lo, rebuild_lo, BLOCK_S), mid_hi,
-                                                k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
+            next_scale, next_zero = _key_scales(k_cache, b, _tile_start(tile + 1, before, mid_lo, rebuild_lo, BLOCK_S),
+                                                mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
         if in_run:
             start = first + (t0 - run_lo)
             pos = start + delta
@@ -471,12 +466,9 @@ def latent_decode_kernel(
                                                    G_PAD, HALF, HAS_ROPE, FAST_MATH)
         m_i, sums, acc = _attend_tile(
             m_i, sums, acc, t0, pos, start, tile_ordered, mid_hi, length, b, turned1.to(DOT_DTYPE),
-            turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
-            k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-            k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale,
-            k_zero, 0.0, far_row, 0.0,
-            v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
-            v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
+            turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order,
+            up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero, 0.0, far_row, 0.0, v_cache, v_lo, v_hi,
+            HALF, G_PAD,
             K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
             V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
             HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S, False)
@@ -498,12 +490,8 @@ def latent_decode_kernel(
                                        HAS_ROPE, FAST_MATH)
             m_i, sums, acc = _attend_tile(
                 m_i, sums, acc, t0, pos, start, False, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
-                cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask_ptr, mask_sb, mask_ss,
-                k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
-                k_ex_ss, k_width, k_sinks, k_window, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
-                bias2, None, None, 0.0, far_row, 0.0,
-                v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
-                v_ex_ss, v_width, v_sinks, v_window, v_lo, v_hi, HALF, G_PAD,
+                cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr,
+                up_k_sr, col, bias1, bias2, None, None, 0.0, far_row, 0.0, v_cache, v_lo, v_hi, HALF, G_PAD,
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_PACKED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
@@ -514,7 +502,7 @@ def latent_decode_kernel(
                                   inv_freq_ptr, b, h, last, k_lo, HEAD_DIM, K_BLOCK_RANK, K_CHUNK, HAS_BIAS, HAS_ROPE,
                                   DTYPE, FAST_MATH)
         q1, q2 = _queries(query_ptr, q_sb, q_sh, b, h, GROUP_HEADS, G_PAD, HALF)
-        visible, additive = _visibility(mask_ptr, b, mask_sb, mask_ss, last + delta, delta == 0, MASK_KIND)
+        visible, additive = _visibility(mask, b, last + delta, delta == 0, MASK_KIND)
         score = tl.sum(q1 * key1[:, None] + q2 * key2[:, None], 0) * qk_scale \
             + tl.sum(tl.where(delta == 0, additive, 0.0), 0) * LOG2E
         score = tl.where(tl.sum(visible.to(tl.int32), 0) > 0, score, float("-inf"))          # [G_PAD]

@@ -52,21 +52,21 @@ def prune_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _latents(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss, new_ptr, new_sb,
-             new_st, b, t0, slots, slot_ok, earlier, ch0, ch_hi, length, width, sinks, window,
-             NEW: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
-             CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-             DTYPE: tl.constexpr, EVEN: tl.constexpr):
+def _latents(side, new, b, t0, slots, slot_ok, earlier, ch0, ch_hi, length, NEW: tl.constexpr, BITS: tl.constexpr,
+             GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr, CHANNEL: tl.constexpr,
+             OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
+             EVEN: tl.constexpr):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of `slots` in DTYPE: NEW, this step's exact
     ones (slot s is row s - earlier of new [batch, tokens, rank]); else the earlier steps' as the cache holds them
-    after this step's write (`length` slots written)."""
+    after this step's write (`length` slots written). side: the cache's side (`latent_tiles.latent_tile`); new:
+    (pointer, batch stride, token stride) of this step's latents."""
     if NEW:
+        new_ptr, new_sb, new_st = new
         ch = ch0 + tl.arange(0, CHUNK)
         at = new_ptr + b * new_sb + (slots - earlier)[:, None] * new_st + ch[None, :]
         values = tl.load(at, mask=slot_ok[:, None] & (ch < ch_hi)[None, :], other=0.0).to(DTYPE)
     else:
-        values = latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss,
-                             b, t0, slots, slot_ok, ch0, ch_hi, length, width, sinks, window, BITS, GROUP, FAST,
+        values = latent_tile(side, b, t0, slots, slot_ok, ch0, ch_hi, length, BITS, GROUP, FAST,
                              EXACT, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, False)
     return values
 
@@ -74,11 +74,7 @@ def _latents(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_p
 @triton.jit
 def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
                  qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width, far1, far2, query_at, rope_window,
-                 k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
-                 k_ex_ss, new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr,
-                 up_k_sr, col, bias1, bias2,
-                 v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
-                 v_ex_ss, new_v_ptr, new_v_sb, new_v_st, v_width, v_sinks, v_window, v_lo, v_hi,
+                 k_cache, k_new, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, v_cache, v_new, v_lo, v_hi,
                  NEW: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
                  K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                  K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
@@ -98,10 +94,9 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
     key1 = tl.zeros([BLOCK_S, HALF], tl.float32)  # the keys' two halves
     key2 = tl.zeros([BLOCK_S, HALF], tl.float32)
     for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
-        latent = _latents(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr,
-                          k_ex_sb, k_ex_ss, new_k_ptr, new_k_sb, new_k_st, b, t0, slots, slot_ok, earlier, k_lo + c,
-                          k_hi, length, k_width, k_sinks, k_window, NEW, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL,
-                          K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0)
+        latent = _latents(k_cache, k_new, b, t0, slots, slot_ok, earlier, k_lo + c, k_hi, length, NEW, K_BITS,
+                          K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE,
+                          K_BLOCK_RANK % K_CHUNK == 0)
         if ONE_K_CHUNK:
             right1, right2 = up1, up2
         else:
@@ -139,10 +134,8 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep every weight 0
     alpha = _exp2((m_i - m_use) * LOG2E, FAST_MATH)
     p = _exp2((scores - m_use[:, None]) * LOG2E, FAST_MATH)
-    values = _latents(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
-                      v_ex_ss, new_v_ptr, new_v_sb, new_v_st, b, t0, slots, slot_ok, earlier, v_lo, v_hi, length,
-                      v_width, v_sinks, v_window, NEW, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
-                      V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0)
+    values = _latents(v_cache, v_new, b, t0, slots, slot_ok, earlier, v_lo, v_hi, length, NEW, V_BITS, V_GROUP,
+                      V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0)
     acc = _mm(p, values, acc * alpha[:, None], DOT_DTYPE, IEEE)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -178,6 +171,12 @@ def latent_prefill_kernel(
     WINDOWED: windowed RoPE beyond rope_window positions (`_attend_tile`)."""
     tile, pid_bh, v_part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
+    # each side of the cache as latent_tiles.latent_tile takes it, and this step's latents
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+               k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+               v_width, v_sinks, v_window)
+    k_new, v_new = (new_k_ptr, new_k_sb, new_k_st), (new_v_ptr, new_v_sb, new_v_st)
     HALF: tl.constexpr = HEAD_DIM // 2
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP_HEADS
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
@@ -233,12 +232,8 @@ def latent_prefill_kernel(
             m_i, l_i, acc = _attend_tile(
                 m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
                 qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width, far1, far2, query_at, rope_window,
-                k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb,
-                k_ex_ss, new_k_ptr, new_k_sb, new_k_st, k_width, k_sinks, k_window, k_lo, k_hi, up1, up2, up_k_ptr,
-                up_k_sr, col, bias1, bias2,
-                v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb,
-                v_ex_ss, new_v_ptr, new_v_sb, new_v_st, v_width, v_sinks, v_window, v_lo, v_hi,
-                new == 1, HALF, BLOCK_M, BLOCK_S,
+                k_cache, k_new, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, v_cache, v_new, v_lo,
+                v_hi, new == 1, HALF, BLOCK_M, BLOCK_S,
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE, WINDOWED)

@@ -287,11 +287,12 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
 
 
 @triton.jit
-def _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi,
-               width, BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, CHANNEL: tl.constexpr,
-               OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
-               EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
+def _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexpr, GROUP: tl.constexpr,
+               FAST: tl.constexpr, CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr,
+               BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None,
+               zero=None):
     """The cache's latents [BLOCK_S, CHUNK] of `slots` (columns `ch`) in DTYPE: 16-bit, or codes dequantized."""
+    lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, _, _, _, width, _, _ = side  # see latent_tile
     if BITS == 16:
         at = lat_ptr + b * lat_sb + slots[:, None] * lat_ss + ch[None, :]
         if EVEN:
@@ -312,13 +313,15 @@ def _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, sl
 
 
 @triton.jit
-def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss,
-                 b, first, slots, slot_ok, ch0, ch_hi, length, width, sinks, window,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
-                 CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
+def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
+                BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
+                CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+                DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
     reference reads them: dequantized codes, or the exact copy where the cache holds one.
+    side: one side of the cache as the kernels bundle their arguments: (latents, their batch and slot strides,
+    scales, zero points, their batch and slot strides, exact copies, their batch and slot strides, a slot's width
+    in bytes of codes or channels, sinks, window).
     FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). PACKED: float16
     latents from int32 words (packed_tile), columns in packed_order; scale, zero: its groups' scales and zero
     points where the caller loaded them ahead (packed_scales). EVEN: every channel of the chunk is below
@@ -330,18 +333,17 @@ def latent_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exac
     else:
         ch = ch0 + tl.arange(0, CHUNK)
     ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
-    values = _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok, ch, ch_ok,
-                        ch0, ch_hi, width, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED,
-                        scale, zero)
+    values = _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK,
+                        BLOCK_S, DTYPE, EVEN, PACKED, scale, zero)
     if EXACT:
+        _, _, _, _, _, _, _, exact_ptr, ex_sb, ex_ss, _, sinks, window = side
         if (first < sinks) | (first + BLOCK_S > length - 1 - window):
             in_window = slots >= length - window  # never below length - 1 when window is 0
             held = slot_ok & (slots < length - 1) & ((slots < sinks) | in_window)
             entry = tl.where(in_window, sinks + slots % tl.maximum(window, 1), slots)
             at = exact_ptr + b * ex_sb + entry[:, None] * ex_ss + ch[None, :]
             exact = tl.load(at, mask=held[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
-            coded = _read_tile(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, b, slots, slot_ok & ~held,
-                               ch, ch_ok, ch0, ch_hi, width, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK, BLOCK_S,
-                               DTYPE, EVEN, PACKED)
+            coded = _read_tile(side, b, slots, slot_ok & ~held, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST, CHANNEL,
+                               OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED)
             values = tl.where(held[:, None], exact, coded)
     return values
