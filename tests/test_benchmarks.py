@@ -1,5 +1,6 @@
-"""The GPU benchmarks' logic on CPU: `benchmarks/generate.py --tiny` runs every path on a small model (it times
-nothing useful there; the figures come from the GPU)."""
+"""The GPU benchmarks' logic on CPU: `benchmarks/generate.py --tiny` runs every path on a small model and
+`benchmarks/prefill.py --tiny` every plan under Triton's interpreter (they time nothing useful there; the figures
+come from the GPU)."""
 import json
 import subprocess
 import sys
@@ -27,3 +28,14 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
     # Leaving out the residual would read 0.08, the scales and zero points 0.56; counting a dequantized copy, 1 or more.
     assert 0.57 < quantized_cache / full_cache < 0.585
     assert all(row["tokens_per_s"] > 0 for row in rows)
+
+
+def test_prefill_benchmark_runs_every_plan_against_the_reference_on_a_tiny_model():
+    result = subprocess.run([sys.executable, "benchmarks/prefill.py", "--tiny"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(row["batch"], row["prefix"], row["tokens"]) for row in rows[::4]] == [(1, 0, 24), (2, 40, 9)]
+    assert [row["plan"] for row in rows[:4]] == ["head keep 0.5", "head keep 0.25", "budget 0.2", "budget 0.2 w1024"]
+    # the kernel against the reference op, a whole prompt and a chunk after a cached prefix, each plan
+    assert all(row["relative_error"] is not None and row["relative_error"] < 2e-3 for row in rows)
