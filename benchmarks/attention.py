@@ -177,7 +177,6 @@ def main():
     args = parser.parse_args()
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     copy = copy_tbps(device)
     print(f"{gpu}: device-to-device copy {copy:.2f} TB/s")
     plans = [plan for plan in PLANS if plan["plan"] in args.plans]
@@ -237,7 +236,7 @@ def main():
                     sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),
                     target=round(factor_target * ratio, 3) if context >= 16384 and plan["scheme"] == "head" else None,
                     relative_error=error, config=dataclasses.asdict(config)))
-                write(args.out, slug, gpu, copy, rows, skipped, sweeps)
+                write(args.out, gpu, copy, rows, skipped, sweeps)
                 print(" ".join(f"{k}={v}" for k, v in rows[-1].items() if k != "config"), flush=True)
                 del kwargs
                 torch.cuda.empty_cache()
@@ -250,14 +249,18 @@ def main():
               f"{target:>6} {row['lrkv_TBps']:>9.2f} {row['copy_TBps']:>9.2f}")
     for line in skipped:
         print("skipped:", line)
-    print(f"wrote {write(args.out, slug, gpu, copy, rows, skipped, sweeps)}")
+    print(f"wrote {write(args.out, gpu, copy, rows, skipped, sweeps)}")
 
 
-def write(folder, slug, gpu, copy, rows, skipped, sweeps):
+def results_path(folder, benchmark, gpu):
+    """The file a benchmark writes its rows to on this GPU: <folder>/<benchmark>-<gpu name as a slug>.json."""
+    return pathlib.Path(folder) / f"{benchmark}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+
+
+def write(folder, gpu, copy, rows, skipped, sweeps):
     """The JSON results so far (rewritten after every row, so an interrupted run keeps what it measured)."""
-    out = pathlib.Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"attention-{slug}.json"
+    path = results_path(folder, "attention", gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, copy_TBps=copy, rows=rows, skipped=skipped,
                                     sweeps=sweeps, kernels=compiled_resources()), indent=1))
     return path

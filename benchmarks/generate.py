@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import pathlib
-import re
 import time
 
 import torch
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, QuantizedCache, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+import attention  # the results file's name (benchmarks/attention.py, beside this script)
 import lrkv_compile as lrkv
 from lrkv_compile.lowering import triton_decode
 
@@ -196,7 +196,7 @@ class Rows(list):
         if out is None:
             return
         gpu = torch.cuda.get_device_name(device)
-        self.path = out / f"generate-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+        self.path = attention.results_path(out, "generate", gpu)
         self.header = dict(gpu=gpu, torch=torch.__version__, layers=layers)
         if self.path.exists():
             self.kept = [row for row in json.loads(self.path.read_text())["rows"] if not wanted(row["path"])]

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import sys
 import time
 
@@ -68,12 +67,13 @@ def sdpa(query, keys, values, prefix):
 
 
 def measure(fn, device):
-    """(median ms, MiB allocated at the peak beyond what was allocated before the call)."""
+    """(median ms, MiB allocated at the peak beyond what was allocated before the call; None on CPU, where it is not
+    measured)."""
     fn()
     if device.type != "cuda":
         start = time.perf_counter()
         fn()
-        return (time.perf_counter() - start) * 1e3, 0.0
+        return (time.perf_counter() - start) * 1e3, None
     from triton.testing import do_bench
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
@@ -112,7 +112,8 @@ def main():
                 rows.append(dict(shape=name, batch=batch, prefix=prefix, tokens=tokens, plan=plan["plan"],
                                  bits=f"{plan['k_bits']}/{plan['v_bits']}", lrkv_ms=round(lrkv_ms, 3),
                                  sdpa_ms=round(sdpa_ms, 3), speedup=round(sdpa_ms / lrkv_ms, 3),
-                                 lrkv_extra_MiB=round(lrkv_extra, 1), sdpa_extra_MiB=round(sdpa_extra, 1),
+                                 lrkv_extra_MiB=lrkv_extra and round(lrkv_extra, 1),
+                                 sdpa_extra_MiB=sdpa_extra and round(sdpa_extra, 1),
                                  relative_error=error))
                 print(json.dumps(rows[-1]), flush=True)
                 if not args.tiny:  # rewritten after every row, so an interrupted run keeps what it measured
@@ -124,14 +125,14 @@ def main():
           f"{'speedup':>7} {'lrkv_MiB':>8} {'sdpa_MiB':>8}")
     for row in rows:
         print(f"{row['shape']:10} {row['batch']:>5} {row['prefix']:>6} {row['tokens']:>6} {row['plan']:18} "
-              f"{row['lrkv_ms']:>8.3f} {row['sdpa_ms']:>8.3f} {row['speedup']:>7.2f} {row['lrkv_extra_MiB']:>8.1f} "
-              f"{row['sdpa_extra_MiB']:>8.1f}")
+              f"{row['lrkv_ms']:>8.3f} {row['sdpa_ms']:>8.3f} {row['speedup']:>7.2f} {str(row['lrkv_extra_MiB']):>8} "
+              f"{str(row['sdpa_extra_MiB']):>8}")
     if not args.tiny:
         print(f"wrote {write(args.out, gpu, rows)}")
 
 
 def write(folder, gpu, rows):
-    path = pathlib.Path(folder) / f"prefill-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-')}.json"
+    path = attention.results_path(folder, "prefill", gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, rows=rows), indent=1))
     return path
