@@ -1,16 +1,20 @@
-"""Prefill and chunked prefill attention alone, on the GPU at hand: lrkv's Triton prefill kernel (a chunk of new
-tokens against the latent cache of the earlier ones and their own exact latents) against
+"""Prefill and chunked prefill attention alone, on the GPU at hand: lrkv's prefill (a chunk of new tokens against the
+latent cache of the earlier ones and their own exact latents), on each of its two paths (the flash-style Triton
+kernel, and the rebuild path: keys and value latents rebuilt into dense buffers, then SDPA), against
 `F.scaled_dot_product_attention(..., enable_gqa=True)` over the full fp16 keys and values of the same slots, one
 layer, Llama-2-7B and Llama-3-8B attention shapes, the plans of `attention.py`.
 
     python benchmarks/prefill.py [--only llama3-8b] [--plans "budget 0.2"] [--out benchmarks/results]
     python benchmarks/prefill.py --tiny   # the logic on CPU under Triton's interpreter (times mean nothing there)
 
-A setting is (batch, cached prefix, new tokens): a whole 4K prompt, and the last 2K chunk of a 16K one. SDPA gets
+A setting is (batch, cached prefix, new tokens): a whole 4K prompt, the last 2K chunk of a 16K one, and short chunks
+at the end of a 16K context (where the launcher's choice of path turns). SDPA gets
 what transformers' SDPA path passes for a chunk: a boolean mask [tokens, prefix + tokens] where there is a prefix
 (its memory-efficient kernel), `is_causal` where there is none (flash). Each row: shape, batch, prefix, tokens,
-plan, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), and the peak memory each call allocates beyond its inputs
-(lrkv_extra_MiB, sdpa_extra_MiB): the kernel keeps nothing that grows with tokens x slots. Writes
+plan, path (the one the launcher picks), kernel_ms and rebuild_ms (each path forced; None where the rebuild path does
+not take the plan), lrkv_ms (the picked path's), sdpa_ms, speedup (sdpa_ms / lrkv_ms), and the peak memory each call
+allocates beyond its inputs (lrkv_extra_MiB for the picked path, sdpa_extra_MiB), with the picked path's error
+against the reference op where that fits in memory. Writes
 benchmarks/results/prefill-<gpu>.json; never asserts timings.
 """
 import argparse
@@ -30,12 +34,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import attention  # noqa: E402  (the shapes, plans and cache builder of the decode benchmark)
 
 from lrkv_compile.lowering import reference  # noqa: E402
-from lrkv_compile.lowering.triton_prefill import prefill_attention  # noqa: E402
+from lrkv_compile.lowering.triton_prefill import choose_path, prefill_attention_with  # noqa: E402
 
-SETTINGS = [(1, 0, 4096), (1, 14336, 2048), (4, 14336, 2048)]  # batch, cached prefix, new tokens
+# batch, cached prefix, new tokens
+SETTINGS = [(1, 0, 4096), (1, 14336, 2048), (4, 14336, 2048), (1, 16320, 64), (4, 16320, 64), (1, 16128, 256),
+            (1, 15872, 512), (1, 15360, 1024)]
 PLANS = ["head keep 0.5", "head keep 0.25", "budget 0.2", "budget 0.2 w1024"]
 TINY_SHAPE = dict(heads=4, kv_heads=2, head_dim=32)
-TINY_SETTINGS = [(1, 0, 24), (2, 40, 9)]
+TINY_SETTINGS = [(1, 0, 24), (2, 40, 9)]  # both paths are timed (forced) whatever the launcher picks
 
 
 def build(shape, plan, batch, prefix, tokens, device):
@@ -103,30 +109,40 @@ def main():
         for batch, prefix, tokens in settings:
             for plan in plans:
                 kwargs, (keys, values) = build(shape, plan, batch, prefix, tokens, device)
-                lrkv_ms, lrkv_extra = measure(lambda: prefill_attention(**kwargs), device)
+                path = choose_path(kwargs["query"], kwargs["attn_mask"], kwargs["rope_window"], kwargs["k_bits"],
+                                   kwargs["v_bits"])
+                times = {}
+                for forced in ("kernel", "rebuild"):
+                    try:
+                        times[forced] = measure(lambda: prefill_attention_with(forced, **kwargs), device)
+                    except NotImplementedError:  # windowed RoPE: the kernel only
+                        times[forced] = (None, None)
+                lrkv_ms, lrkv_extra = times[path]
                 sdpa_ms, sdpa_extra = measure(lambda: sdpa(kwargs["query"], keys, values, prefix), device)
                 error = None
                 if batch * (prefix + tokens) * tokens <= 4096 * 4096:  # against the reference op where it fits
                     expected = reference.latent_attention(**kwargs).float()
-                    error = float((prefill_attention(**kwargs).float() - expected).norm() / expected.norm())
+                    error = float((prefill_attention_with(path, **kwargs).float() - expected).norm() / expected.norm())
                 rows.append(dict(shape=name, batch=batch, prefix=prefix, tokens=tokens, plan=plan["plan"],
-                                 bits=f"{plan['k_bits']}/{plan['v_bits']}", lrkv_ms=round(lrkv_ms, 3),
-                                 sdpa_ms=round(sdpa_ms, 3), speedup=round(sdpa_ms / lrkv_ms, 3),
+                                 bits=f"{plan['k_bits']}/{plan['v_bits']}", path=path,
+                                 kernel_ms=round(times["kernel"][0], 3),
+                                 rebuild_ms=times["rebuild"][0] and round(times["rebuild"][0], 3),
+                                 lrkv_ms=round(lrkv_ms, 3), sdpa_ms=round(sdpa_ms, 3),
+                                 speedup=round(sdpa_ms / lrkv_ms, 3),
                                  lrkv_extra_MiB=lrkv_extra and round(lrkv_extra, 1),
-                                 sdpa_extra_MiB=sdpa_extra and round(sdpa_extra, 1),
-                                 relative_error=error))
+                                 sdpa_extra_MiB=sdpa_extra and round(sdpa_extra, 1), relative_error=error))
                 print(json.dumps(rows[-1]), flush=True)
                 if not args.tiny:  # rewritten after every row, so an interrupted run keeps what it measured
                     write(args.out, gpu, rows)
                 del kwargs, keys, values
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    print(f"\n{'shape':10} {'batch':>5} {'prefix':>6} {'tokens':>6} {'plan':18} {'lrkv_ms':>8} {'sdpa_ms':>8} "
-          f"{'speedup':>7} {'lrkv_MiB':>8} {'sdpa_MiB':>8}")
+    print(f"\n{'shape':10} {'batch':>5} {'prefix':>6} {'tokens':>6} {'plan':18} {'path':8} {'kernel':>8} "
+          f"{'rebuild':>8} {'sdpa_ms':>8} {'speedup':>7} {'lrkv_MiB':>8} {'sdpa_MiB':>8}")
     for row in rows:
         print(f"{row['shape']:10} {row['batch']:>5} {row['prefix']:>6} {row['tokens']:>6} {row['plan']:18} "
-              f"{row['lrkv_ms']:>8.3f} {row['sdpa_ms']:>8.3f} {row['speedup']:>7.2f} {str(row['lrkv_extra_MiB']):>8} "
-              f"{str(row['sdpa_extra_MiB']):>8}")
+              f"{row['path']:8} {row['kernel_ms']:>8.3f} {str(row['rebuild_ms']):>8} {row['sdpa_ms']:>8.3f} "
+              f"{row['speedup']:>7.2f} {str(row['lrkv_extra_MiB']):>8} {str(row['sdpa_extra_MiB']):>8}")
     if not args.tiny:
         print(f"wrote {write(args.out, gpu, rows)}")
 

@@ -1,27 +1,46 @@
 """Triton lowering of `latent_attention` for prefill and chunked prefill (any number of new tokens per sequence):
-input checks, launch grid, strides, and the value up-projection after the kernel.
+input checks, the choice of path, launch grids, strides, and the value up-projection after the kernel.
+
+Two paths (`choose_path`): the flash-style kernel `kernels/latent_prefill.py`, whose every tile of queries reads and
+dequantizes the slots' latents and rebuilds their keys again; and, for chunks long enough that this costs more than
+one pass, the rebuild path: `kernels/latent_rebuild.py` rebuilds each slot's key (turned to its position) and copies
+its value latent once into dense buffers of the model's dtype, one layer's worth, and
+`F.scaled_dot_product_attention(..., enable_gqa=True)` (flash or memory-efficient, on CUDA) attends over them in
+latent space.
 
 `prefill_attention(**kwargs)` takes the keyword arguments `triton_decode.decode_attention` takes (those of
 `reference.latent_attention` that `ops.latent_attention` passes to a kernel) and returns what the reference returns,
 for tokens >= 1; anything it does not cover raises NotImplementedError naming what, so the caller can run the
-reference instead. The kernel is `kernels/latent_prefill.py`.
+reference instead.
 
-Memory: the reference builds float32 scores [batch, heads, tokens, slots] and every slot's keys at once; here nothing
-grows with tokens x slots. The kernel keeps per program one tile of queries, keys and scores on chip, and writes
-the latent context [batch, tokens, heads, range] (range: the value latent channels a KV head reads); the value
-up-projection then makes [batch, heads, tokens, head_dim]. Both grow with tokens only. The length stays on the
-device and the grid depends on the shapes alone, so a step reads nothing back to the host once the factors' blocks
-are known (`triton_decode.prepare`) and the autotuner has chosen a geometry for its shapes.
+Memory: the reference builds float32 scores [batch, heads, tokens, slots] and every slot's keys at once. The kernel
+path allocates nothing that grows with tokens x slots: the kernel keeps per program one tile of queries, keys and
+scores on chip, and writes the latent context [batch, tokens, heads, range] (range: the value latent channels a KV
+head reads); the value up-projection then makes [batch, heads, tokens, head_dim]. Both grow with tokens only. The
+length stays on the device and the grid depends on the shapes alone, so a step reads nothing back to the host once
+the factors' blocks are known (`triton_decode.prepare`) and the autotuner has chosen a geometry for its shapes. The
+rebuild path reads the length on the host, so that its buffers hold exactly the slots written (under CUDA-graph
+capture, which cannot read it, they hold the cache's capacity, zeroed, and the mask hides the slots past the length);
+it allocates keys and value latents [batch, kv_heads, slots, head_dim | range] in the model's dtype, and, with a
+prefix or the model's mask, one boolean mask [tokens, slots] (times the mask's batch and heads, as the model's own):
+a byte per pair, where SDPA's flash and memory-efficient kernels keep their scores on chip.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from lrkv_compile.kernels import latent_prefill
+from lrkv_compile.kernels import latent_prefill, latent_rebuild
 from .triton_decode import BITS, DTYPES, _per_head, _side, check_inputs, diagonal_blocks
 
 LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new tokens up to this, once for all longer
+# chunks of at least this many tokens take the rebuild path (`choose_path`): with quantized latents, and with 16-bit
+# latents only from a longer chunk, since the kernel's tiles read them without dequantizing (H200, Llama-3-8B, 16K
+# context, batch 1, benchmarks/prefill.py: 64 tokens, budget 0.2: kernel 1.45 ms, rebuild 0.67; keep 0.5: 0.58 and
+# 0.83; 256 tokens, keep 0.5: 0.47 and 0.54-0.64; 512: 0.66 and 0.59-0.69, the crossover; 2048: 2.51 and 1.57)
+REBUILD_TOKENS = 64
+REBUILD_TOKENS_16BIT = 512
+REBUILD_SLOTS_INTERPRETED = 16  # the rebuild kernel's tile of slots under the interpreter: several tiles in small tests
 
 
 def _mask_strides(attn_mask, batch, heads, tokens):
@@ -39,8 +58,43 @@ def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_
                       new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask,
                       softmax_scale, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group,
                       v_sinks, v_axis, v_outliers, rope_window=0):
-    """`reference.latent_attention` for `tokens` new tokens per sequence (query [batch, heads, tokens, head_dim]),
-    on the Triton prefill kernel: the earlier slots read from the cache, this step's from new_k / new_v."""
+    """`reference.latent_attention` for `tokens` new tokens per sequence (query [batch, heads, tokens, head_dim]):
+    the earlier slots read from the cache, this step's from new_k / new_v, on the path `choose_path` picks."""
+    return prefill_attention_with(None, **{name: value for name, value in locals().items()})
+
+
+def choose_path(query, attn_mask, rope_window, k_bits, v_bits) -> str:
+    """"rebuild" for chunks of at least REBUILD_TOKENS tokens (REBUILD_TOKENS_16BIT where both sides' latents are
+    16-bit) that it covers (`rebuild_refusal`): one layer's keys and value latents rebuilt into dense buffers, then
+    SDPA; else "kernel", the flash-style kernel, which re-reads the latents per tile of queries."""
+    least = REBUILD_TOKENS_16BIT if k_bits == v_bits == 16 else REBUILD_TOKENS
+    if query.shape[2] < least or rebuild_refusal(attn_mask, rope_window) is not None:
+        return "kernel"
+    return "rebuild"
+
+
+def _capturing(query) -> bool:
+    """Whether this step is being captured into a CUDA graph (mode="reduce-overhead"), which reads nothing on the
+    host."""
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def rebuild_refusal(attn_mask, rope_window):
+    """Why the rebuild path cannot compute a step (None: it can)."""
+    if rope_window:
+        return ("windowed RoPE: a slot scores turned or at the window's edge depending on the query, which one set of "
+                "rebuilt keys cannot hold (the prefill kernel can)")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return ("an additive mask: CUDA's SDPA zeroes a query whose visible columns the mask's finfo.min covers "
+                "entirely, where the reference attends uniformly over them (the prefill kernel does too)")
+    return None
+
+
+def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact,
+                           positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length,
+                           attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers,
+                           v_bits, v_group, v_sinks, v_axis, v_outliers, rope_window=0):
+    """`prefill_attention` on `path` ("kernel", "rebuild", or None: `choose_path`'s)."""
     batch, heads, tokens, head_dim = query.shape
     device = query.device
     interpret = check_inputs(query, num_kv_heads, inv_freq, "prefill")
@@ -74,43 +128,99 @@ def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_
         mask_kind, mask_strides = _mask_strides(attn_mask, batch, heads, tokens)
         mask, mask_width = attn_mask, attn_mask.shape[3]
     rope = inv_freq is not None
-    # [batch, tokens, heads, range]: the absorbed path's output as it is (range is all of rank_v there), else the
-    # float32 latent context the up-projection reads
-    out = torch.empty(batch, tokens, heads, v_range, dtype=torch.float32 if up_v is not None else query.dtype,
-                      device=device)
+    windowed = bool(rope_window) and rope
     k, v = keys, values
-    grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"] // group), batch * num_kv_heads,  # noqa: E731
-                         triton.cdiv(v_range, v["CHUNK"]))
-    latent_prefill.latent_prefill_kernel[grid](
-        query, query.stride(0), query.stride(1), query.stride(2),
-        k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"], k["scale"].stride(0),
-        k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1),
-        new_k, new_k.stride(0), new_k.stride(1),
-        v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"], v["scale"].stride(0),
-        v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1),
-        new_v, new_v.stride(0), new_v.stride(1),
-        positions, positions.stride(0), up, up.stride(0),
-        bias_k.float().contiguous() if bias_k is not None else query,
-        inv_freq.float().contiguous() if rope else query,
-        mask, *mask_strides, mask_width, length,
-        out, out.stride(0), out.stride(1), out.stride(2),
-        softmax_scale * (rope_scale if rope else 1.0),  # RoPE's scale multiplies every key
-        tokens, min(1 << (tokens - 1).bit_length(), LONGEST_BUCKET),
-        k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"], int(rope_window) if rope else 0,
-        KV_HEADS=num_kv_heads, GROUP_HEADS=group, HEAD_DIM=head_dim,
+    cache_args = (k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"],
+                  k["scale"].stride(0), k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1),
+                  new_k, new_k.stride(0), new_k.stride(1),
+                  v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"],
+                  v["scale"].stride(0), v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1),
+                  new_v, new_v.stride(0), new_v.stride(1),
+                  positions, positions.stride(0), up, up.stride(0),
+                  bias_k.float().contiguous() if bias_k is not None else query,
+                  inv_freq.float().contiguous() if rope else query)
+    side_constants = dict(
+        KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         K_HEADS_PER_BLOCK=num_kv_heads // k_blocks, K_BLOCK_RANK=k["BLOCK_RANK"], K_CHUNK=k["CHUNK"],
         K_BITS=k_bits, K_GROUP=k["GROUP"], K_FAST=k["FAST"], K_EXACT=k["EXACT"], K_CHANNEL=k["CHANNEL"],
         K_OUTLIERS=k["OUTLIERS"],
         V_HEADS_PER_BLOCK=num_kv_heads // v_blocks, V_BLOCK_RANK=v_range, V_CHUNK=v["CHUNK"],
         V_BITS=v_bits, V_GROUP=v["GROUP"], V_FAST=v["FAST"], V_EXACT=v["EXACT"], V_CHANNEL=v["CHANNEL"],
         V_OUTLIERS=v["OUTLIERS"],
-        HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind, FAST_MATH=not interpret,
-        DTYPE=DTYPES[query.dtype],
+        HAS_ROPE=rope, HAS_BIAS=bias_k is not None, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
-        IEEE=query.dtype == torch.float32, WINDOWED=bool(rope_window) and rope)
+        IEEE=query.dtype == torch.float32)
+    scale = softmax_scale * (rope_scale if rope else 1.0)  # RoPE's scale multiplies every key
+    if path is None:
+        path = choose_path(query, attn_mask, rope_window if rope else 0, k_bits, v_bits)
+    if path == "rebuild":
+        refusal = rebuild_refusal(attn_mask, rope_window if rope else 0)
+        if refusal is not None:
+            raise NotImplementedError(f"the prefill rebuild path does not take {refusal}")
+        widths = (k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])
+        context = _rebuilt_attention(query, cache_args, widths, side_constants, length, positions.shape[1], attn_mask,
+                                     scale, num_kv_heads, v_range, interpret)
+        if up_v is None:
+            return context.transpose(1, 2).reshape(batch, tokens, heads * v_range)
+        context = context.view(batch, num_kv_heads, group, tokens, v_range).permute(0, 3, 1, 2, 4).float()
+        return _project_values(context, up_v, bias_v, v_blocks, query.dtype)
+    # [batch, tokens, heads, range]: the absorbed path's output as it is (range is all of rank_v there), else the
+    # float32 latent context the up-projection reads
+    out = torch.empty(batch, tokens, heads, v_range, dtype=torch.float32 if up_v is not None else query.dtype,
+                      device=device)
+    grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"] // group), batch * num_kv_heads,  # noqa: E731
+                         triton.cdiv(v_range, v["CHUNK"]))
+    latent_prefill.latent_prefill_kernel[grid](
+        query, query.stride(0), query.stride(1), query.stride(2), *cache_args,
+        mask, *mask_strides, mask_width, length,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        scale, tokens, min(1 << (tokens - 1).bit_length(), LONGEST_BUCKET),
+        k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"], int(rope_window) if rope else 0,
+        GROUP_HEADS=group, MASK_KIND=mask_kind, WINDOWED=windowed, **side_constants)
     if up_v is None:
         return out.view(batch, tokens, heads * v_range)
     return _project_values(out.view(batch, tokens, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
+
+
+def _rebuilt_attention(query, cache_args, widths, constants, length, capacity, attn_mask, scale, num_kv_heads,
+                       v_range, interpret):
+    """The rebuild path: every slot's key (turned to its position) and value latent into dense buffers of the model's
+    dtype, [batch, kv_heads, slots, head_dim | v_range] (one layer's working set), then
+    `F.scaled_dot_product_attention` with enable_gqa over them. `slots` is the length, read on the host; under
+    CUDA-graph capture, which cannot read it, the cache's capacity, the buffers zeroed and the slots past the length
+    masked. Returns the latent context [batch, heads, tokens, v_range], 0 for a query that sees no slot."""
+    batch, _, tokens, head_dim = query.shape
+    capturing = _capturing(query)
+    slots = capacity if capturing else int(length)
+    allocate = query.new_zeros if capturing else query.new_empty  # zeros: 0 weight times garbage could be NaN
+    keys = allocate(batch, num_kv_heads, slots, head_dim)
+    values = allocate(batch, num_kv_heads, slots, v_range)
+    block_s = REBUILD_SLOTS_INTERPRETED if interpret else (64 if head_dim <= 128 else 32)
+    for new, count in ((False, slots - tokens), (True, tokens)):  # the cache's slots, then this step's exact latents
+        if count:
+            latent_rebuild.rebuild_kernel[(triton.cdiv(count, block_s), batch * num_kv_heads)](
+                *cache_args, keys, *keys.stride()[:3], values, *values.stride()[:3], length, tokens,
+                *widths, NEW=new, BLOCK_S=block_s, num_warps=4, **constants)
+    mask, causal = _visible(attn_mask, tokens, slots, None if capturing else slots, length)
+    context = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                                               scale=scale, enable_gqa=True)
+    return context.nan_to_num_(0.0)  # a query the mask hides every slot from attends to nothing, as the reference
+
+
+def _visible(attn_mask, tokens, slots, written, length):
+    """(boolean mask over `slots` columns, is_causal) for SDPA: each query (the last `tokens` of the `length` sequence
+    indices written, a device tensor) sees the slots up to its own, and of those what the model's boolean mask
+    allows (its columns are sequence indices). written: the length where the host knows it (slots then equals it),
+    else None; a prompt without a mask then needs is_causal alone."""
+    if attn_mask is None and written == tokens:
+        return None, True
+    query_index = length - tokens + torch.arange(tokens, device=length.device)
+    causal = torch.arange(slots, device=length.device)[None, :] <= query_index[:, None]
+    if attn_mask is None:
+        return causal, False
+    if attn_mask.shape[-1] < slots:
+        raise NotImplementedError(f"attn_mask of {attn_mask.shape[-1]} columns for {slots} slots")
+    return attn_mask[..., :slots] & causal, False
 
 
 def _project_values(context, up_v, bias_v, blocks, dtype):

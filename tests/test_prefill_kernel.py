@@ -1,6 +1,7 @@
-"""The Triton prefill attention kernel against `reference.latent_attention`, on caches written by the reference write
-op (the real byte layout: earlier chunks, then this step's own write), over drawn shapes. Runs on CUDA when present,
-else on CPU under Triton's interpreter."""
+"""Triton prefill attention against `reference.latent_attention`, on caches written by the reference write op (the
+real byte layout: earlier chunks, then this step's own write), over drawn shapes, on both of the launcher's paths:
+the flash-style kernel, and the rebuild path (keys and value latents rebuilt into dense buffers, then SDPA). Runs on
+CUDA when present, else on CPU under Triton's interpreter."""
 import os
 
 import pytest
@@ -31,12 +32,12 @@ def build_prefill_case(*, earlier, tokens, **case):
     return build_case(length=earlier + tokens, tokens=tokens, **case)
 
 
-def check(kwargs):
+def check(kwargs, path=None):
     # the oracle runs on CPU: there SDPA's softmax over a row of finfo.min (a left-padded row's padding queries under
     # an additive mask) attends uniformly, as plain softmax does and the kernel does; CUDA's SDPA returns zeros
     expected = reference.latent_attention(**{name: value.cpu() if isinstance(value, torch.Tensor) else value
                                              for name, value in kwargs.items()}).to(DEVICE)
-    actual = triton_prefill.prefill_attention(**kwargs)
+    actual = triton_prefill.prefill_attention_with(path, **kwargs)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     assert torch.isfinite(actual).all()
     tolerance = TOLERANCE.get(kwargs["query"].dtype, FP16_TOLERANCE)
@@ -76,6 +77,81 @@ BASE = dict(batch=2, kv_heads=2, group_heads=3, head_dim=64, dtype=torch.float32
             k_block_rank=24, v_block_rank=40, k_bits=4, v_bits=3, k_group=8, v_group=8, sinks=4, window=8,
             earlier=45, tokens=13, spare=2, chunks=3, mask="bool", mask_shape="causal", padding=True, blind_row=False,
             rope=True, bias=True, absorb=False)
+
+
+@settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 2))
+@given(case=prefill_cases())
+def test_rebuild_path_matches_the_reference(case):
+    """The same drawn steps on the rebuild path, which takes no windowed RoPE and no additive mask (`rebuild_refusal`):
+    those draws run with exact RoPE and a boolean mask."""
+    check(build_prefill_case(**{**case, "rope_window": 0, "mask": "bool" if case["mask"] == "additive" else
+                                case["mask"]}), "rebuild")
+
+
+def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers():
+    """Chunks of REBUILD_TOKENS tokens or more take the rebuild path (one read of each slot, then SDPA), shorter ones
+    the kernel (with 16-bit latents, REBUILD_TOKENS_16BIT); windowed RoPE and additive masks stay on the kernel, and
+    forcing the rebuild path on them says why not."""
+    long = build_prefill_case(**{**BASE, "earlier": 5, "tokens": triton_prefill.REBUILD_TOKENS})
+    query, mask = long["query"], long["attn_mask"]
+    assert triton_prefill.choose_path(query, mask, 0, 4, 3) == "rebuild"
+    assert triton_prefill.choose_path(query, mask, 0, 16, 3) == "rebuild"
+    assert triton_prefill.choose_path(query[:, :, :-1], mask, 0, 4, 3) == "kernel"
+    assert triton_prefill.choose_path(query, mask, 0, 16, 16) == "kernel"
+    sixteen_bit = query.new_empty(2, 6, triton_prefill.REBUILD_TOKENS_16BIT, 64)
+    assert triton_prefill.choose_path(sixteen_bit, mask, 0, 16, 16) == "rebuild"
+    assert triton_prefill.choose_path(query, mask, 16, 4, 3) == "kernel"
+    assert triton_prefill.choose_path(query, mask.float(), 0, 4, 3) == "kernel"
+    check(long)  # the launcher's own choice, the rebuild path
+    windowed = build_prefill_case(**{**BASE, "rope_window": 6})
+    with pytest.raises(NotImplementedError, match="windowed RoPE"):
+        triton_prefill.prefill_attention_with("rebuild", **windowed)
+    additive = build_prefill_case(**{**BASE, "mask": "additive"})
+    with pytest.raises(NotImplementedError, match="additive mask"):
+        triton_prefill.prefill_attention_with("rebuild", **additive)
+
+
+@pytest.mark.parametrize("mask", ["none", "bool"])
+@pytest.mark.parametrize("earlier", [0, 45])
+def test_rebuild_path_under_cuda_graph_capture_reads_nothing_on_the_host(monkeypatch, mask, earlier):
+    """Under capture (mode="reduce-overhead") the rebuild path cannot read the length: its buffers span the cache's
+    capacity (here 2 spare slots past the length), zeroed, and the mask hides what lies past the length, built on the
+    device from the length tensor."""
+    monkeypatch.setattr(triton_prefill, "_capturing", lambda query: True)
+    kwargs = build_prefill_case(**{**BASE, "earlier": earlier, "mask": mask, "padding": mask != "none"})
+    expected = reference.latent_attention(**kwargs)
+    real_visible = triton_prefill._visible
+
+    def visible(attn_mask, tokens, slots, written, length):
+        assert written is None and slots == kwargs["positions"].shape[1] > int(kwargs["length"])
+        return real_visible(attn_mask, tokens, slots, written, kwargs["length"])
+
+    monkeypatch.setattr(triton_prefill, "_visible", visible)
+    actual = triton_prefill.prefill_attention_with("rebuild", **kwargs)
+    torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU; on CPU the test above runs the capture branch of the "
+                    "rebuild path under the interpreter")
+def test_a_captured_cuda_graph_replays_the_rebuild_path():
+    """A long chunk (the rebuild path) captured into a CUDA graph after one warm-up call, then replayed with another
+    cache, queries and new latents (the model's factors stay): the replay matches the reference on them."""
+    kwargs = build_prefill_case(**{**BASE, "dtype": torch.float16, "tokens": triton_prefill.REBUILD_TOKENS,
+                                   "mask": "none", "padding": False})
+    assert triton_prefill.choose_path(kwargs["query"], None, 0, kwargs["k_bits"], kwargs["v_bits"]) == "rebuild"
+    triton_prefill.prefill_attention(**kwargs)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_prefill.prefill_attention(**kwargs)
+    other = build_prefill_case(**{**BASE, "dtype": torch.float16, "tokens": triton_prefill.REBUILD_TOKENS,
+                                  "mask": "none", "padding": False, "seed": 7})
+    for name in ("query", "latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                 "positions", "new_k", "new_v"):
+        kwargs[name].copy_(other[name])
+    graph.replay()
+    expected = reference.latent_attention(**{name: value.cpu() if isinstance(value, torch.Tensor) else value
+                                             for name, value in kwargs.items()}).to(DEVICE)
+    torch.testing.assert_close(out.float(), expected.float(), **FP16_TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
