@@ -94,3 +94,42 @@ def test_cuda_graphs_replay_decode_steps_of_a_channel_axis_plan():
         logits[name], tokens = torch.stack(steps), chosen
     assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"
     torch.testing.assert_close(logits["cuda graphs"], logits["reference"], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; tests/test_prefill_kernel.py runs "
+                    "the rebuild path's capture branch on CPU under the interpreter")
+def test_cuda_graphs_capture_and_replay_a_long_prefill_on_the_rebuild_path(monkeypatch):
+    """mode="reduce-overhead" with 80-token prompts (4-bit latents: the prefill's rebuild path): CUDA graph trees
+    warm the prefill graph up on the first prompt, capture it on the second and replay it on the third, each into a
+    fresh cache; each prompt's logits, and a decode step after it, match the uncompiled graph on the reference ops."""
+    from lrkv_compile.lowering import triton_prefill
+    from torch._dynamo.utils import counters
+
+    rebuilt, rebuild = [], triton_prefill._rebuilt_attention
+    monkeypatch.setattr(triton_prefill, "_rebuilt_attention",
+                        lambda *args: rebuilt.append(triton_prefill._capturing(args[0])) or rebuild(*args))
+
+    model = build_model(dict(num_key_value_heads=2, num_attention_heads=8, head_dim=64, hidden_size=128,
+                             attention_bias=False, num_hidden_layers=2, dtype=torch.float16, seed=0)).cuda()
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, bits=4, group=8, progress=False)
+    tokens = max(80, triton_prefill.REBUILD_TOKENS)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (2, tokens), generator=generator).cuda() for _ in range(3)]
+    counters.clear()
+    logits = {}
+    for name, options in {"reference": dict(inductor=False, kernels="reference"),
+                          "cuda graphs": dict(mode="reduce-overhead")}.items():
+        lm = lrkv.compile(model, plan, **options)
+        steps = []
+        with torch.no_grad():
+            for prompt in prompts:
+                cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=tokens + 8)
+                prefill = lm(input_ids=prompt, past_key_values=cache, use_cache=True).logits.float().clone()
+                decode = lm(input_ids=prompt[:, -1:], past_key_values=cache, use_cache=True).logits.float().clone()
+                steps.append((prefill, decode))
+        logits[name] = steps
+    assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"
+    assert False in rebuilt and True in rebuilt, f"the rebuild path ran {rebuilt} (True: under capture)"
+    for (prefill, decode), (expected_prefill, expected_decode) in zip(logits["cuda graphs"], logits["reference"]):
+        torch.testing.assert_close(prefill, expected_prefill, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(decode, expected_decode, atol=2e-2, rtol=2e-2)
