@@ -37,7 +37,7 @@ LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new to
 # chunks of at least this many tokens take the rebuild path (`choose_path`): with quantized latents, and with 16-bit
 # latents only from a longer chunk, since the kernel's tiles read them without dequantizing (H200, Llama-3-8B, 16K
 # context, batch 1, benchmarks/prefill.py: 64 tokens, budget 0.2: kernel 1.45 ms, rebuild 0.67; keep 0.5: 0.58 and
-# 0.83; 256 tokens, keep 0.5: 0.47 and 0.54-0.64; 512: 0.66 and 0.59-0.69, the crossover; 2048: 2.51 and 1.57)
+# 0.83; 256 tokens, keep 0.5: 0.47 and 0.54-0.64; 512: 0.66 and 0.59-0.82, the crossover; 2048: 2.51 and 1.53-1.63)
 REBUILD_TOKENS = 64
 REBUILD_TOKENS_16BIT = 512
 REBUILD_SLOTS_INTERPRETED = 16  # the rebuild kernel's tile of slots under the interpreter: several tiles in small tests
@@ -162,8 +162,14 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
                                      scale, num_kv_heads, v_range, interpret)
         if up_v is None:
             return context.transpose(1, 2).reshape(batch, tokens, heads * v_range)
-        context = context.view(batch, num_kv_heads, group, tokens, v_range).permute(0, 3, 1, 2, 4).float()
-        return _project_values(context, up_v, bias_v, v_blocks, query.dtype)
+        # C B_v per KV head in the model's dtype (accumulated in float32 by the GEMM), as one batched product over
+        # the heads' rows [group x tokens]: no float32 copy of the context (a third of a 4K prompt's time)
+        # (cuDNN's SDPA returns the context in [batch, tokens, heads] order: reshape copies it then)
+        out = context.reshape(batch, num_kv_heads, group * tokens, v_range) @ _per_head(up_v, num_kv_heads,
+                                                                                        v_blocks).to(query.dtype)
+        if bias_v is not None:
+            out = out + bias_v.to(query.dtype).view(1, num_kv_heads, 1, head_dim)
+        return out.view(batch, heads, tokens, head_dim)
     # [batch, tokens, heads, range]: the absorbed path's output as it is (range is all of rank_v there), else the
     # float32 latent context the up-projection reads
     out = torch.empty(batch, tokens, heads, v_range, dtype=torch.float32 if up_v is not None else query.dtype,
@@ -204,7 +210,9 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, capacity, a
     mask, causal = _visible(attn_mask, tokens, slots, None if capturing else slots, length)
     context = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
                                                                scale=scale, enable_gqa=True)
-    return context.nan_to_num_(0.0)  # a query the mask hides every slot from attends to nothing, as the reference
+    if mask is not None:  # a query the mask hides every slot from attends to nothing, as in the reference
+        context.nan_to_num_(0.0)
+    return context
 
 
 def _visible(attn_mask, tokens, slots, written, length):
