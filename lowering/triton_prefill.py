@@ -128,7 +128,7 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         mask_kind, mask_strides = _mask_strides(attn_mask, batch, heads, tokens)
         mask, mask_width = attn_mask, attn_mask.shape[3]
     rope = inv_freq is not None
-    windowed = bool(rope_window) and rope
+    window = int(rope_window) if rope else 0  # windowed RoPE's window (0: exact RoPE)
     k, v = keys, values
     cache_args = (k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"],
                   k["scale"].stride(0), k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1),
@@ -150,14 +150,14 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         IEEE=query.dtype == torch.float32)
+    widths = (k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])  # the kernels' cache sides
     scale = softmax_scale * (rope_scale if rope else 1.0)  # RoPE's scale multiplies every key
     if path is None:
-        path = choose_path(query, attn_mask, rope_window if rope else 0, k_bits, v_bits)
+        path = choose_path(query, attn_mask, window, k_bits, v_bits)
     if path == "rebuild":
-        refusal = rebuild_refusal(attn_mask, rope_window if rope else 0)
+        refusal = rebuild_refusal(attn_mask, window)
         if refusal is not None:
             raise NotImplementedError(f"the prefill rebuild path does not take {refusal}")
-        widths = (k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])
         context = _rebuilt_attention(query, cache_args, widths, side_constants, length, positions.shape[1], attn_mask,
                                      scale, num_kv_heads, v_range, interpret)
         if up_v is None:
@@ -181,8 +181,8 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         mask, *mask_strides, mask_width, length,
         out, out.stride(0), out.stride(1), out.stride(2),
         scale, tokens, min(1 << (tokens - 1).bit_length(), LONGEST_BUCKET),
-        k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"], int(rope_window) if rope else 0,
-        GROUP_HEADS=group, MASK_KIND=mask_kind, WINDOWED=windowed, **side_constants)
+        *widths, window,
+        GROUP_HEADS=group, MASK_KIND=mask_kind, WINDOWED=bool(window), **side_constants)
     if up_v is None:
         return out.view(batch, tokens, heads * v_range)
     return _project_values(out.view(batch, tokens, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
