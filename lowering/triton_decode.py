@@ -323,7 +323,9 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     launch_kernel(latent_decode.combine_splits_kernel, (batch * heads, triton.cdiv(v_range, chunk)),
                   (part_acc, part_max, part_sum, context, splits),
                   dict(GROUP_HEADS=group, RANGE=v_range, SPLITS_PAD=_pow2(splits), CHUNK=chunk))
-    return _project_values(context.view(batch, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
+    if up_v is None:  # the output projection absorbed B_v: the latent context itself
+        return context.reshape(batch, 1, heads * v_range).to(query.dtype)
+    return project_values(context.view(batch, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, 1, query.dtype)
 
 
 def far_queries(query, positions, length, inv_freq, up_k, bias_k, kv_heads, blocks, window, columns):
@@ -347,17 +349,16 @@ def far_queries(query, positions, length, inv_freq, up_k, bias_k, kv_heads, bloc
     return far, bias
 
 
-def _project_values(context, up_v, bias_v, blocks, dtype):
-    """[batch, kv_heads, group, range] fp32 latent context -> the reference's output: @ B_v (+ b_v) per head, or
-    the latent context itself [batch, 1, heads * rank_v] when the output projection absorbed B_v."""
-    batch, kv_heads, group, v_range = context.shape
-    if up_v is None:
-        return context.reshape(batch, 1, kv_heads * group * v_range).to(dtype)
-    out = torch.matmul(context, _per_head(up_v, kv_heads, blocks))  # [batch, kv_heads, group, head_dim]
-    head_dim = out.shape[-1]
+def project_values(context, up_v, bias_v, blocks, tokens, dtype):
+    """The latent context [batch, kv_heads, group * tokens, range] (each KV head's query heads, then tokens) @ B_v
+    (+ b_v) per KV head, in the context's dtype (float32 accumulation): [batch, heads, tokens, head_dim] in `dtype`.
+    The decode kernel and the prefill kernel hand over float32 (the reference's precision), the prefill rebuild path
+    its attention's model dtype (no float32 copy of a long prompt's context)."""
+    batch, kv_heads, rows, _ = context.shape
+    out = context @ _per_head(up_v, kv_heads, blocks).to(context.dtype)  # [batch, kv_heads, rows, head_dim]
     if bias_v is not None:
-        out = out + bias_v.float().view(1, kv_heads, 1, head_dim)
-    return out.reshape(batch, kv_heads * group, 1, head_dim).to(dtype)
+        out = out + bias_v.to(context.dtype).view(1, kv_heads, 1, -1)
+    return out.view(batch, kv_heads * rows // tokens, tokens, -1).to(dtype)
 
 
 def prepare(up_k: torch.Tensor, up_v: Optional[torch.Tensor], num_kv_heads: int, rope_window: int = 0) -> None:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from lrkv_compile.kernels import latent_prefill, latent_rebuild
-from .triton_decode import BITS, DTYPES, _per_head, _side, check_inputs, diagonal_blocks
+from .triton_decode import BITS, DTYPES, _side, check_inputs, diagonal_blocks, project_values
 
 LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new tokens up to this, once for all longer
 # chunks of at least this many tokens take the rebuild path (`choose_path`): with quantized latents, and with 16-bit
@@ -162,14 +162,10 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
                                      scale, num_kv_heads, v_range, interpret)
         if up_v is None:
             return context.transpose(1, 2).reshape(batch, tokens, heads * v_range)
-        # C B_v per KV head in the model's dtype (accumulated in float32 by the GEMM), as one batched product over
-        # the heads' rows [group x tokens]: no float32 copy of the context (a third of a 4K prompt's time)
-        # (cuDNN's SDPA returns the context in [batch, tokens, heads] order: reshape copies it then)
-        out = context.reshape(batch, num_kv_heads, group * tokens, v_range) @ _per_head(up_v, num_kv_heads,
-                                                                                        v_blocks).to(query.dtype)
-        if bias_v is not None:
-            out = out + bias_v.to(query.dtype).view(1, num_kv_heads, 1, head_dim)
-        return out.view(batch, heads, tokens, head_dim)
+        # in the model's dtype, one batched product over each KV head's rows (cuDNN's SDPA returns the context in
+        # [batch, tokens, heads] order: reshape copies it then)
+        return project_values(context.reshape(batch, num_kv_heads, group * tokens, v_range), up_v, bias_v, v_blocks,
+                              tokens, query.dtype)
     # [batch, tokens, heads, range]: the absorbed path's output as it is (range is all of rank_v there), else the
     # float32 latent context the up-projection reads
     out = torch.empty(batch, tokens, heads, v_range, dtype=torch.float32 if up_v is not None else query.dtype,
@@ -185,7 +181,9 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         GROUP_HEADS=group, MASK_KIND=mask_kind, WINDOWED=bool(window), **side_constants)
     if up_v is None:
         return out.view(batch, tokens, heads * v_range)
-    return _project_values(out.view(batch, tokens, num_kv_heads, group, v_range), up_v, bias_v, v_blocks, query.dtype)
+    context = out.view(batch, tokens, num_kv_heads, group, v_range).permute(0, 2, 3, 1, 4)
+    return project_values(context.reshape(batch, num_kv_heads, group * tokens, v_range), up_v, bias_v, v_blocks, tokens,
+                          query.dtype)
 
 
 def _rebuilt_attention(query, cache_args, widths, constants, length, capacity, attn_mask, scale, num_kv_heads,
@@ -229,13 +227,3 @@ def _visible(attn_mask, tokens, slots, written, length):
     if attn_mask.shape[-1] < slots:
         raise NotImplementedError(f"attn_mask of {attn_mask.shape[-1]} columns for {slots} slots")
     return attn_mask[..., :slots] & causal, False
-
-
-def _project_values(context, up_v, bias_v, blocks, dtype):
-    """[batch, tokens, kv_heads, group, range] float32 latent context -> @ B_v (+ b_v) per KV head, as the reference:
-    [batch, heads, tokens, head_dim] in `dtype`."""
-    batch, tokens, kv_heads, group, _ = context.shape
-    out = torch.einsum("btkgr,krd->bkgtd", context, _per_head(up_v, kv_heads, blocks))
-    if bias_v is not None:
-        out = out + bias_v.float().view(1, kv_heads, 1, 1, -1)
-    return out.reshape(batch, kv_heads * group, tokens, -1).to(dtype)
