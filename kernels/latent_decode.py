@@ -27,7 +27,7 @@ first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 import triton
 import triton.language as tl
 
-from .latent_tiles import cache_side, latent_tile, packed_order, packed_scales
+from .latent_tiles import latent_tile, packed_order, packed_scales
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores go base 2: the launcher's qk_scale holds it, additive masks here
 
@@ -181,7 +181,7 @@ def _key_scales(k_cache, b, t0, hi, k_lo, k_hi, K_GROUP: tl.constexpr, K_CHUNK: 
                 BLOCK_S: tl.constexpr):
     """The packed key codes' (scales, zero points) of the tile at t0 (slots below hi). The main loop loads them a
     tile ahead: 2-byte loads stay out of the software pipeline, so each tile waited on them."""
-    _, _, _, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, _, _, _, _, _, _ = k_cache  # see latent_tiles.cache_side
+    _, _, _, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, _, _, _, _, _, _ = k_cache  # see latent_tiles.latent_tile
     slots = t0 + tl.arange(0, BLOCK_S)
     return packed_scales(k_scale_ptr, k_zero_ptr, b * k_sz_sb + slots * k_sz_ss, slots < hi, k_lo, k_hi, K_GROUP,
                          K_CHUNK, EVEN)
@@ -323,10 +323,11 @@ def latent_decode_kernel(
     far_ptr and far_bias_ptr for joint ones), the rest with keys turned to their positions, the far ones among them
     to the window's edge."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
-    k_cache = cache_side(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
-                         k_exact_ptr, k_ex_sb, k_ex_ss, k_width, k_sinks, k_window)
-    v_cache = cache_side(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
-                         v_exact_ptr, v_ex_sb, v_ex_ss, v_width, v_sinks, v_window)
+    # each side of the cache as latent_tiles.latent_tile takes it
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+               k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+               v_width, v_sinks, v_window)
     mask = (mask_ptr, mask_sb, mask_ss)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     length, s_lo, s_hi = _split_range(length_ptr, num_splits, BLOCK_S)

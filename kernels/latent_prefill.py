@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .latent_decode import LOG2E, _exp2, _mm, _reduce_angle, _trig
-from .latent_tiles import cache_side, latent_tile
+from .latent_tiles import latent_tile
 
 # (BLOCK_M, BLOCK_S, warps, stages): query rows per program, slots per tile
 CONFIGS = [triton.Config({"BLOCK_M": rows, "BLOCK_S": slots}, num_warps=warps, num_stages=stages)
@@ -72,52 +72,6 @@ def _latents(side, new, b, t0, slots, slot_ok, earlier, ch0, ch_hi, length, NEW:
 
 
 @triton.jit
-def key_factor(up_k_ptr, up_k_sr, k_lo, k_hi, col, HALF: tl.constexpr, K_CHUNK: tl.constexpr,
-               DOT_DTYPE: tl.constexpr):
-    """The KV head's block of B_k as two halves [K_CHUNK, HALF] (its rows k_lo.. below k_hi, columns `col`): loaded
-    once where the block is one chunk (else `rebuilt_keys` loads a chunk at a time)."""
-    rows = k_lo + tl.arange(0, K_CHUNK)
-    up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
-    return (tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE),
-            tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE))
-
-
-@triton.jit
-def rebuilt_keys(k_cache, k_new, b, t0, slots, slot_ok, earlier, length, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col,
-                 bias1, bias2, NEW: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
-                 K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-                 K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
-    """The keys' two halves [BLOCK_S, HALF] (float32) of `slots`, not yet turned: c B_k + b_k on tensor cores from
-    the KV head's block of latent channels (`_latents`), a chunk of them at a time. up1, up2: the block of B_k
-    (`key_factor`) where it is one chunk, else read here chunk by chunk; bias1, bias2: b_k's halves [1, HALF]."""
-    ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
-    key1 = tl.zeros([BLOCK_S, HALF], tl.float32)
-    key2 = tl.zeros([BLOCK_S, HALF], tl.float32)
-    for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
-        latent = _latents(k_cache, k_new, b, t0, slots, slot_ok, earlier, k_lo + c, k_hi, length, NEW, K_BITS,
-                          K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE,
-                          K_BLOCK_RANK % K_CHUNK == 0)
-        if ONE_K_CHUNK:
-            right1, right2 = up1, up2
-        else:
-            right1, right2 = key_factor(up_k_ptr, up_k_sr, k_lo + c, k_hi, col, HALF, K_CHUNK, DOT_DTYPE)
-        key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
-        key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
-    if HAS_BIAS:
-        key1 += bias1
-        key2 += bias2
-    return key1, key2
-
-
-@triton.jit
-def turned(key1, key2, pos, inv_freq, FAST_MATH: tl.constexpr):
-    """Key halves turned by rotate-half RoPE to each slot's position `pos` [BLOCK_S] (inv_freq [HALF])."""
-    cos, sin = _trig(_reduce_angle(pos.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
-    return key1 * cos - key2 * sin, key2 * cos + key1 * sin
-
-
-@triton.jit
 def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index, row_ok, mask_rows, inv_freq,
                  qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width, far1, far2, query_at, rope_window,
                  k_cache, k_new, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, v_cache, v_new, v_lo, v_hi,
@@ -134,17 +88,34 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
     q k^T, visible where slot <= the query's sequence index and the mask allows, then acc += p C_v. WINDOWED
     (windowed RoPE): where the slot's position is rope_window or more behind the query's (query_at), the score is
     the unturned key's against the query turned to the window's edge (far1, far2: R(rope_window - p_q) q)."""
+    ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
     slots = t0 + tl.arange(0, BLOCK_S)
     slot_ok = slots < hi
-    key1, key2 = rebuilt_keys(k_cache, k_new, b, t0, slots, slot_ok, earlier, length, k_lo, k_hi, up1, up2, up_k_ptr,
-                              up_k_sr, col, bias1, bias2, NEW, HALF, BLOCK_S, K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP,
-                              K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, HAS_BIAS, DTYPE, DOT_DTYPE, IEEE)
+    key1 = tl.zeros([BLOCK_S, HALF], tl.float32)  # the keys' two halves
+    key2 = tl.zeros([BLOCK_S, HALF], tl.float32)
+    for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
+        latent = _latents(k_cache, k_new, b, t0, slots, slot_ok, earlier, k_lo + c, k_hi, length, NEW, K_BITS,
+                          K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE,
+                          K_BLOCK_RANK % K_CHUNK == 0)
+        if ONE_K_CHUNK:
+            right1, right2 = up1, up2
+        else:
+            rows = k_lo + c + tl.arange(0, K_CHUNK)
+            up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
+            right1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0)
+            right2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0)
+        key1 = _mm(latent, right1, key1, DOT_DTYPE, IEEE)
+        key2 = _mm(latent, right2, key2, DOT_DTYPE, IEEE)
+    if HAS_BIAS:
+        key1 += bias1
+        key2 += bias2
     if WINDOWED:
         far = _mm(far1, tl.trans(key1), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
         far = _mm(far2, tl.trans(key2), far, DOT_DTYPE, IEEE)
     if HAS_ROPE:
         pos = tl.load(pos_ptr + b * pos_sb + slots, mask=slot_ok, other=0)
-        key1, key2 = turned(key1, key2, pos, inv_freq, FAST_MATH)
+        cos, sin = _trig(_reduce_angle(pos.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
+        key1, key2 = key1 * cos - key2 * sin, key2 * cos + key1 * sin
     scores = _mm(q1, tl.trans(key1), tl.zeros([BLOCK_M, BLOCK_S], tl.float32), DOT_DTYPE, IEEE)
     scores = _mm(q2, tl.trans(key2), scores, DOT_DTYPE, IEEE)
     if WINDOWED:
@@ -200,11 +171,11 @@ def latent_prefill_kernel(
     WINDOWED: windowed RoPE beyond rope_window positions (`_attend_tile`)."""
     tile, pid_bh, v_part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
-    # each side of the cache, and this step's latents
-    k_cache = cache_side(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
-                         k_exact_ptr, k_ex_sb, k_ex_ss, k_width, k_sinks, k_window)
-    v_cache = cache_side(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
-                         v_exact_ptr, v_ex_sb, v_ex_ss, v_width, v_sinks, v_window)
+    # each side of the cache as latent_tiles.latent_tile takes it, and this step's latents
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+               k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+               v_width, v_sinks, v_window)
     k_new, v_new = (new_k_ptr, new_k_sb, new_k_st), (new_v_ptr, new_v_sb, new_v_st)
     HALF: tl.constexpr = HEAD_DIM // 2
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP_HEADS
@@ -241,7 +212,10 @@ def latent_prefill_kernel(
     k_hi = k_lo + K_BLOCK_RANK
     up1, up2 = 0.0, 0.0  # joint factors: loaded a chunk at a time in each tile
     if ONE_K_CHUNK:  # the KV head's whole block of the factor, once
-        up1, up2 = key_factor(up_k_ptr, up_k_sr, k_lo, k_hi, col, HALF, K_CHUNK, DOT_DTYPE)
+        rows = k_lo + tl.arange(0, K_CHUNK)
+        up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
+        up1 = tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE)
+        up2 = tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0).to(DOT_DTYPE)
     v_block = (h // V_HEADS_PER_BLOCK) * V_BLOCK_RANK
     v_lo = v_block + v_part * V_CHUNK
     v_hi = v_block + V_BLOCK_RANK

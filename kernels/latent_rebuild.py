@@ -13,8 +13,8 @@ the KV head's block the same way. Each slot is read once, whatever the number of
 import triton
 import triton.language as tl
 
-from .latent_prefill import _latents, key_factor, rebuilt_keys, turned
-from .latent_tiles import cache_side
+from .latent_decode import _mm, _reduce_angle, _trig
+from .latent_prefill import _latents
 
 
 @triton.jit
@@ -40,10 +40,10 @@ def rebuild_kernel(
     slots written, on the device; earlier = length - tokens). Programs past those slots store nothing."""
     tile, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
-    k_cache = cache_side(k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss,
-                         k_exact_ptr, k_ex_sb, k_ex_ss, k_width, k_sinks, k_window)
-    v_cache = cache_side(v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss,
-                         v_exact_ptr, v_ex_sb, v_ex_ss, v_width, v_sinks, v_window)
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+               k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+               v_width, v_sinks, v_window)
     k_new, v_new = (new_k_ptr, new_k_sb, new_k_st), (new_v_ptr, new_v_sb, new_v_st)
     HALF: tl.constexpr = HEAD_DIM // 2
     length = tl.load(length_ptr).to(tl.int32)
@@ -57,19 +57,24 @@ def rebuild_kernel(
     col = h * HEAD_DIM + d
     k_lo = (h // K_HEADS_PER_BLOCK) * K_BLOCK_RANK
     k_hi = k_lo + K_BLOCK_RANK
-    up1, up2 = 0.0, 0.0  # joint factors: read a chunk at a time
-    if K_BLOCK_RANK <= K_CHUNK:
-        up1, up2 = key_factor(up_k_ptr, up_k_sr, k_lo, k_hi, col, HALF, K_CHUNK, DOT_DTYPE)
-    bias1, bias2 = 0.0, 0.0
+    key1 = tl.zeros([BLOCK_S, HALF], tl.float32)  # the keys' two halves
+    key2 = tl.zeros([BLOCK_S, HALF], tl.float32)
+    for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
+        latent = _latents(k_cache, k_new, b, t0, slots, slot_ok, earlier, k_lo + c, k_hi, length, NEW, K_BITS,
+                          K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE,
+                          K_BLOCK_RANK % K_CHUNK == 0)
+        rows = k_lo + c + tl.arange(0, K_CHUNK)
+        up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
+        key1 = _mm(latent, tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0), key1, DOT_DTYPE, IEEE)
+        key2 = _mm(latent, tl.load(up_at + HALF, mask=(rows < k_hi)[:, None], other=0.0), key2, DOT_DTYPE, IEEE)
     if HAS_BIAS:
-        bias1 = tl.load(bias_k_ptr + col).to(tl.float32)[None, :]
-        bias2 = tl.load(bias_k_ptr + col + HALF).to(tl.float32)[None, :]
-    key1, key2 = rebuilt_keys(k_cache, k_new, b, t0, slots, slot_ok, earlier, length, k_lo, k_hi, up1, up2, up_k_ptr,
-                              up_k_sr, col, bias1, bias2, NEW, HALF, BLOCK_S, K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP,
-                              K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, HAS_BIAS, DTYPE, DOT_DTYPE, IEEE)
+        key1 += tl.load(bias_k_ptr + col).to(tl.float32)[None, :]
+        key2 += tl.load(bias_k_ptr + col + HALF).to(tl.float32)[None, :]
     if HAS_ROPE:
+        inv_freq = tl.load(inv_freq_ptr + d).to(tl.float32)
         pos = tl.load(pos_ptr + b * pos_sb + slots, mask=slot_ok, other=0)
-        key1, key2 = turned(key1, key2, pos, tl.load(inv_freq_ptr + d).to(tl.float32), FAST_MATH)
+        cos, sin = _trig(_reduce_angle(pos.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
+        key1, key2 = key1 * cos - key2 * sin, key2 * cos + key1 * sin
     keys_at = keys_ptr + b64 * keys_sb + h * keys_sh + slots.to(tl.int64)[:, None] * keys_ss + d[None, :]
     tl.store(keys_at, key1.to(DTYPE), mask=slot_ok[:, None])
     tl.store(keys_at + HALF, key2.to(DTYPE), mask=slot_ok[:, None])

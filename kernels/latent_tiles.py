@@ -292,7 +292,7 @@ def _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexp
                BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None,
                zero=None):
     """The cache's latents [BLOCK_S, CHUNK] of `slots` (columns `ch`) in DTYPE: 16-bit, or codes dequantized."""
-    lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, _, _, _, width, _, _ = side  # see cache_side
+    lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, _, _, _, width, _, _ = side  # see latent_tile
     if BITS == 16:
         at = lat_ptr + b * lat_sb + slots[:, None] * lat_ss + ch[None, :]
         if EVEN:
@@ -313,22 +313,15 @@ def _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexp
 
 
 @triton.jit
-def cache_side(lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss, width, sinks,
-               window):
-    """One side of the cache (K or V) as `latent_tile` takes it: the kernels' arguments of that side, in one order."""
-    return (lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, exact_ptr, ex_sb, ex_ss, width, sinks, window)
-
-
-@triton.jit
 def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
                 BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
                 CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
                 DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
     reference reads them: dequantized codes, or the exact copy where the cache holds one.
-    side: one side of the cache (`cache_side`): latents, their batch and slot strides, scales, zero points, their
-    batch and slot strides, exact copies, their batch and slot strides, a slot's width in bytes of codes or
-    channels, sinks, window.
+    side: one side of the cache as the kernels bundle their arguments: (latents, their batch and slot strides,
+    scales, zero points, their batch and slot strides, exact copies, their batch and slot strides, a slot's width
+    in bytes of codes or channels, sinks, window).
     FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). PACKED: float16
     latents from int32 words (packed_tile), columns in packed_order; scale, zero: its groups' scales and zero
     points where the caller loaded them ahead (packed_scales). EVEN: every channel of the chunk is below
