@@ -95,8 +95,8 @@ def fill_latent(cache, context):
 def fill_static(model, cache, batch, context):
     """A one-token prefill initialises the StaticCache's buffers; then random keys and values fill them."""
     with torch.no_grad():
-        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=model.device), past_key_values=cache,
-              use_cache=True)
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=model.device),
+              **{lrkv.cache_keyword(model): cache}, use_cache=True)
     for layer in cache.layers:
         for tensor in (layer.keys, layer.values):
             tensor.normal_(0, 1)
@@ -258,7 +258,7 @@ def main():
 
         def step(lm=lm, cache=cache):
             with torch.no_grad():
-                lm(input_ids=token, past_key_values=cache, use_cache=True)
+                lm(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True)
             for layer in cache.layers:  # every step decodes at the same slot: the timing is one step's
                 layer.cumulative_length.fill_(context - 1)
         fill_latent(cache, context)
@@ -286,8 +286,8 @@ def main():
         for mode, forward, compiled in modes:
             def step(forward=forward):
                 with torch.no_grad():
-                    forward(input_ids=token, past_key_values=cache, use_cache=True, position_ids=position,
-                            cache_position=cache_position)
+                    forward(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True,
+                            position_ids=position, cache_position=cache_position)
             rows.append(measure(f"{label}, {mode}", step, cache_bytes, batch, context, args.steps, device, compiled,
                                 args.profile))
         del cache, modes, step
@@ -302,7 +302,7 @@ def main():
             for layer, (keys, values) in zip(cache.layers, residuals):  # every step appends to the same residual
                 layer.keys, layer.values, layer.cumulative_length = keys, values, context - 1
             with torch.no_grad():
-                model(input_ids=token, past_key_values=cache, use_cache=True, position_ids=position,
+                model(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True, position_ids=position,
                       cache_position=cache_position)
         try:  # without optimum-quanto the cache cannot be built: the row says so
             cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=64)

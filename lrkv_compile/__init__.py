@@ -14,8 +14,9 @@ from .fit import check
 from .compiled import CompiledModel, compile
 from .reference import low_rank_reference
 from .report import explain
+from .trace import cache_keyword
 from .transfer import transfer
 
 __all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
-           "low_rank_reference", "explain", "transfer", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
+           "cache_keyword", "low_rank_reference", "explain", "transfer", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
            "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError", "KernelUnavailableError"]

@@ -109,7 +109,8 @@ def lrkv_backend(gm, example_inputs, options=None, mode=None, **_):
         _warned_stock_cache = True
         warnings.warn("lrkv: the model runs with a stock transformers cache, which stores full keys and values: "
                       "results follow the plan but cache memory is NOT reduced. Pass "
-                      "past_key_values=lrkv.LatentCache(model, plan, ...) to store latents.", LrkvWarning, stacklevel=2)
+                      "cache=lrkv.LatentCache(model, plan, ...) (past_key_values= before transformers 5.24) to store "
+                      "latents.", LrkvWarning, stacklevel=2)
     forward = lower(gm, example_inputs, options.get("kernels", "auto"), options.get("inductor"),
                     options.get("mode", "default"))
     return _counted(forward) if any(r.status == "rewritten" for r in site_reports) else forward

@@ -46,9 +46,9 @@ def cmd_eval(args):
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
-    from .compiled import cache_keyword
     from .evaluate import cached_perplexity, passkey_prompts, passkeys_retrieved, quantized_cache_fraction
     from .models import load_model
+    from .trace import cache_keyword
     model, tokenizer = load_model(args.model)
     calibration, evaluation, evaluation_ids = _data(tokenizer, args.calib_rows, args.eval_rows, args.length, args.text)
     prefix = args.length - args.score
@@ -74,11 +74,11 @@ def cmd_eval(args):
                                    for (_, _, context, depth), hit in zip(prompts, hits)]
         rows.append(row)
 
-    score("full cache", "full", model.forward, lambda length: DynamicCache(config=model.config), 1.0, model.generate)
+    score("full cache", "full", model, lambda length: DynamicCache(config=model.config), 1.0, model.generate)
     for nbits in args.quanto_bits:
         def quantized(length=None, nbits=nbits):
             return QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=args.quanto_group)
-        score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", "QuantizedCache", model.forward,
+        score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", "QuantizedCache", model,
               quantized, quantized_cache_fraction(nbits, args.quanto_group),
               lambda ids, quantized=quantized, **options: model.generate(ids, **{cache_keyword(model): quantized()},
                                                                          **options))

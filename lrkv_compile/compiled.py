@@ -15,7 +15,7 @@ from .errors import LrkvError, UnrewrittenSiteError
 from .fit import check
 from .plan import RankPlan
 from .rotary import breaks_graph
-from .trace import private_forward
+from .trace import cache_keyword, private_forward
 
 CACHE_ROUNDING = 256  # cache capacities are rounded up to this, so varied lengths reuse compiled graphs
 
@@ -116,9 +116,3 @@ def compile(model, plan, value_path: str = "auto", kernels: str = "auto", induct
                                        "inductor": inductor, "mode": mode})
     check(model, plan)
     return CompiledModel(model, plan, value_path, kernels, inductor, mode)
-
-
-def cache_keyword(model) -> str:
-    """The name the model's forward and generate() take the cache by: `cache` from transformers 5.24 (which
-    deprecates `past_key_values`), `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

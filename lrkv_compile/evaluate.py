@@ -4,7 +4,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from .trace import private_forward
+from .compiled import CompiledModel
+from .trace import cache_keyword, private_forward
 
 
 @torch.no_grad()
@@ -28,24 +29,25 @@ def compiled_forward(model, plan):
 
 @torch.no_grad()
 def cached_perplexity(forward, rows, prefix: int, make_cache, progress=True, desc="perplexity") -> float:
-    """Perplexity through a cache. prefix > 0, the continuation protocol: prefill each row's first `prefix`
-    tokens into a fresh cache (`make_cache(row_length)`), then score the rest of the row in one forward
-    through that cache, so what the cache stored of the prefix shows. prefix 0: one forward over the whole
-    row into a fresh cache (full-sequence perplexity; every token attends to the row as this step computed
-    it, so a cache's storage does not show, only changes to the model such as low-rank keys).
+    """Perplexity of `forward` (a model, or its `lrkv.compile`) through a cache. prefix > 0, the continuation
+    protocol: prefill each row's first `prefix` tokens into a fresh cache (`make_cache(row_length)`), then score the
+    rest of the row in one forward through that cache, so what the cache stored of the prefix shows. prefix 0: one
+    forward over the whole row into a fresh cache (full-sequence perplexity; every token attends to the row as this
+    step computed it, so a cache's storage does not show, only changes to the model such as low-rank keys).
     Returns exp(mean NLL) over the scored tokens."""
     total_nll, total_tokens = 0.0, 0
+    keyword = cache_keyword(forward.model if isinstance(forward, CompiledModel) else forward)
     for row in tqdm(rows, desc=desc, disable=not progress, unit="row"):
         ids = row[None] if row.dim() == 1 else row
         if not 0 <= prefix < ids.shape[1] - 1:
             raise ValueError(f"prefix={prefix} must leave at least two of the row's {ids.shape[1]} tokens to score")
-        cache = make_cache(ids.shape[1])
+        cached = {keyword: make_cache(ids.shape[1]), "use_cache": True}
         if prefix:
-            first = forward(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True).logits[:, -1:]
-            rest = forward(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits[:, :-1]
+            first = forward(input_ids=ids[:, :prefix], **cached).logits[:, -1:]
+            rest = forward(input_ids=ids[:, prefix:], **cached).logits[:, :-1]
             logits, targets = torch.cat((first, rest), dim=1), ids[:, prefix:]
         else:
-            logits, targets = forward(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, :-1], ids[:, 1:]
+            logits, targets = forward(input_ids=ids, **cached).logits[:, :-1], ids[:, 1:]
         total_nll += float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                              reduction="sum"))
         total_tokens += targets.numel()

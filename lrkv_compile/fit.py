@@ -104,8 +104,8 @@ def _check_rope_window(plan: RankPlan, planned_sites) -> None:
     if stock:
         raise PlanMismatchError(
             f"the plan's windowed RoPE (rope_window={plan.rope_window}) is computed by the latent cache's attention, "
-            f"and layers {stock} run with a stock cache (or none): pass a LatentCache "
-            "(past_key_values=lrkv.LatentCache(model, plan, ...)), or use a plan with rope_window=0")
+            f"and layers {stock} run with a stock cache (or none): pass a LatentCache (cache=lrkv.LatentCache(model, "
+            "plan, ...), past_key_values= before transformers 5.24), or use a plan with rope_window=0")
     other = [site.layer for site in planned_sites
              if site.rope_source is not None and (site.rope_source.rows or site.rope_source.table is not None)]
     if other:
@@ -156,7 +156,7 @@ def trace_sites(model, plan: RankPlan = None):
         with warnings.catch_warnings():  # a probe's cache: its size says nothing about the user's
             warnings.simplefilter("ignore", LrkvWarning)
             cache = LatentCache(model, plan, max_batch_size=1, max_cache_len=16)
-    gm, _, _, name_of = capture(model, probe, past_key_values=cache)
+    gm, _, _, name_of = capture(model, probe, cache=cache)
     return find_sites(gm, name_of)
 
 

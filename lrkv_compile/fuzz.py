@@ -29,6 +29,7 @@ from . import backend, zoo
 from .errors import LrkvWarning, PlanError
 from .passes.canonicalize import _writes_in_place
 from .passes.patterns import LINEAR_TARGETS
+from .trace import cache_keyword
 
 TOLERANCE = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
 """The one tolerance table of every numerical comparison (the fuzzer's and the tests')."""
@@ -329,7 +330,7 @@ def _run(case: Case) -> None:
                 for name in ("attention_mask",) + (("input_ids", "position_ids") if end - start > 1 else ()):
                     step[name] = step[name].clone()  # a new tensor each step, its length dynamic: two graphs in
                     torch._dynamo.maybe_mark_dynamic(step[name], 1)  # all (prefill, decode), not one per length
-                got = forward(**step, past_key_values=cache, use_cache=True).logits
+                got = forward(**step, **{cache_keyword(model): cache}, use_cache=True).logits
                 expected = reference(input_ids=ids[:, :end], attention_mask=mask[:, :end],
                                      position_ids=positions[:, :end], use_cache=False).logits[:, start:]
                 _compare(f"LatentCache tokens {start}:{end} vs the reference", got, expected,

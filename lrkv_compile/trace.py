@@ -12,6 +12,7 @@ them) remember the sizes each function was compiled at by file, line and name, s
 batch would make the compiled model's first graph dynamic in its batch and cache sizes (symbolic shapes: a
 compile twice as long on a 32-layer model, and no gain for a cache whose sizes are fixed).
 """
+import inspect
 import types
 
 import torch
@@ -39,6 +40,18 @@ def private_forward(model, name: str = PRIVATE_NAME):
     return types.MethodType(copy, model)
 
 
+_CACHE_KEYWORDS = {}  # model class -> the keyword its forward takes the cache by
+
+
+def cache_keyword(model) -> str:
+    """The keyword the model's forward and generate() take the cache by, read once per class from the forward's
+    signature: `cache` from transformers 5.24 (which deprecates `past_key_values`), `past_key_values` before."""
+    cls = type(model)
+    if cls not in _CACHE_KEYWORDS:
+        _CACHE_KEYWORDS[cls] = "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    return _CACHE_KEYWORDS[cls]
+
+
 def _untraceable(model, error) -> str:
     reason = str(error).strip().splitlines()[0]
     return (f"Dynamo cannot capture {type(model).__name__}.forward as one graph ({reason}), so lrkv cannot find or "
@@ -49,8 +62,8 @@ class _Captured(Exception):
     """Raised by the capturing graph instead of running it: a trace needs the graph, not its outputs."""
 
 
-def capture(model, input_ids: torch.Tensor, past_key_values=None):
-    """Trace `model.forward(input_ids=...)` with Dynamo, through `past_key_values` if given (else with
+def capture(model, input_ids: torch.Tensor, cache=None):
+    """Trace `model.forward(input_ids=...)` with Dynamo, through `cache` if given (else with
     use_cache=False), and canonicalize it; the graph is captured, never run, and no compiled state outlives the
     call. A dynamic-NTK rotary embedding is traced with its frequencies set for this call (`rotary.one_graph`).
 
@@ -68,9 +81,8 @@ def capture(model, input_ids: torch.Tensor, past_key_values=None):
 
     compiled = torch.compile(private_forward(model, TRACE_NAME), backend=keep_graph, fullgraph=True,
                              dynamic=False)
-    cache_kwargs = {"past_key_values": past_key_values, "use_cache": True} if past_key_values is not None \
-        else {"use_cache": False}
-    start = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+    cache_kwargs = {cache_keyword(model): cache, "use_cache": True} if cache is not None else {"use_cache": False}
+    start = int(cache.get_seq_length()) if cache is not None else 0
     positions = torch.arange(start, start + input_ids.shape[1])[None]
     try:
         with torch.no_grad(), one_graph(model, positions):

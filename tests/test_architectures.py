@@ -9,6 +9,7 @@ import torch
 import lrkv_compile as lrkv
 from lrkv_compile import zoo
 from lrkv_compile.reference import stepwise
+from lrkv_compile.trace import cache_keyword
 from strategies import TOLERANCE
 
 FAMILIES = zoo.names()
@@ -71,7 +72,7 @@ def test_a_budget_plan_decodes_as_its_low_rank_reference(family):
     with torch.no_grad(), stepwise(reference):
         for start, end in ((0, 7), (7, 8), (8, 9), (9, 12)):
             positions = torch.arange(start, end)[None].expand(2, -1)  # as generate() passes them
-            got = compiled(input_ids=ids[:, start:end], position_ids=positions, past_key_values=cache,
+            got = compiled(input_ids=ids[:, start:end], position_ids=positions, **{cache_keyword(model): cache},
                            use_cache=True).logits
             expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
             torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
@@ -199,7 +200,7 @@ def test_gpt_j_interleaved_rope_from_its_table_is_rewritten_partial_or_full():
     assert torch.equal(sequences, stock_sequences)
     torch.testing.assert_close(step_logits, stock_logits, **TOLERANCE[torch.float32])
     with pytest.raises(lrkv.KernelUnavailableError, match="not from the model's cos/sin tables"), torch.no_grad():
-        lrkv.compile(model, plan, kernels="triton")(input_ids=ids, past_key_values=cache, use_cache=True)
+        lrkv.compile(model, plan, kernels="triton")(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True)
 
 
 def test_the_readme_lists_every_family_with_what_is_rewritten():

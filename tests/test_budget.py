@@ -7,6 +7,7 @@ import lrkv_compile as lrkv
 from lrkv_compile.allocate import Candidate, _frontier, search, uniform
 from lrkv_compile.calibrate import collect_stats
 from lrkv_compile.reference import stepwise
+from lrkv_compile.trace import cache_keyword
 from strategies import TOLERANCE, VOCAB, build_model
 
 SPEC = dict(num_key_value_heads=4, num_attention_heads=8, head_dim=16, hidden_size=64, attention_bias=False,
@@ -87,7 +88,7 @@ def test_a_budget_plan_through_a_latent_cache_equals_its_reference(calibrated):
     lm = lrkv.compile(model, plan)
     with torch.no_grad(), stepwise(reference):
         for start, end in ((0, 6), (6, 7), (7, 12)):
-            got = lm(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
+            got = lm(input_ids=ids[:, start:end], **{cache_keyword(model): cache}, use_cache=True).logits
             expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
             torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 

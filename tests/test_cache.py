@@ -1,4 +1,6 @@
 """LatentCache: memory accounting and its errors."""
+import warnings
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_latent_cache_without_the_backend_raises():
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
     cache = lrkv.LatentCache(model, plan, max_cache_len=16)
     with pytest.raises(lrkv.UnrewrittenSiteError, match="backend='lrkv'"), torch.no_grad():
-        model(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), **{lrkv.cache_keyword(model): cache}, use_cache=True)
 
 
 def test_context_longer_than_the_cache_raises():
@@ -49,7 +51,8 @@ def test_context_longer_than_the_cache_raises():
     model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
     cache = lrkv.LatentCache(model, plan, max_cache_len=8)
     with pytest.raises(lrkv.CacheOverflowError, match="max_cache_len=8"), torch.no_grad():
-        model.generate(torch.randint(0, VOCAB, (1, 6)), past_key_values=cache, max_new_tokens=5, do_sample=False)
+        model.generate(torch.randint(0, VOCAB, (1, 6)), **{lrkv.cache_keyword(model): cache}, max_new_tokens=5,
+                       do_sample=False)
 
 
 def test_cache_of_another_plan_is_rejected():
@@ -59,7 +62,7 @@ def test_cache_of_another_plan_is_rejected():
     model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
     cache = lrkv.LatentCache(model, other, max_cache_len=16)
     with pytest.raises(Exception, match="same plan"), torch.no_grad():
-        model(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.zeros(1, 3, dtype=torch.long), **{lrkv.cache_keyword(model): cache}, use_cache=True)
 
 
 TOKEN = dict(bits=4, group=8, sinks=2, window=3)
@@ -85,3 +88,26 @@ def test_the_write_never_reads_the_device(layout, tokens):
         new_v=torch.zeros(2, tokens, site.rank_v, device="meta"),
         new_positions=torch.zeros(1, tokens, dtype=torch.long, device="meta"), length=layer.cumulative_length,
         **{f"{side}_{name}": value for side, fields in sides.items() for name, value in fields.items()})
+
+
+def test_the_cache_goes_by_the_name_the_installed_transformers_takes():
+    """transformers 5.24 renamed the forward's and generate()'s `past_key_values` to `cache` (the old name warns
+    until 5.40): lrkv passes the name the installed version takes, so its paths raise no deprecation warning."""
+    from packaging.version import Version
+    from transformers import DynamicCache, __version__
+    from lrkv_compile.evaluate import cached_perplexity
+    model = build_model(SMALL)
+    expected = "cache" if Version(__version__) >= Version("5.24") else "past_key_values"
+    assert lrkv.cache_keyword(model) == expected
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values")
+        lm = lrkv.compile(model, plan)  # its check traces the model through a LatentCache
+        lm.generate(ids, max_new_tokens=3, do_sample=False)
+        cached_perplexity(model, ids, 3, lambda length: DynamicCache(config=model.config), progress=False)
+        cached_perplexity(lm, ids, 3, lambda length: lrkv.LatentCache(model, plan, max_cache_len=length),
+                          progress=False)
+        if expected == "cache":  # the old name would have failed the test
+            with pytest.raises(FutureWarning, match="past_key_values"), torch.no_grad():
+                model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import lrkv_compile as lrkv
+from lrkv_compile.trace import cache_keyword
 from strategies import TOLERANCE, VOCAB, build_model, model_configs
 
 SETTINGS = settings(max_examples=6, deadline=None, derandomize=True, print_blob=True)
@@ -58,9 +59,10 @@ def test_latent_cache_decode_equals_full_forward(spec, keep, batch, prompt, step
     cache = lrkv.LatentCache(model, plan, max_batch_size=batch, max_cache_len=prompt + steps + 3)
     outputs = []
     with torch.no_grad():
-        outputs.append(forward(input_ids=ids[:, :prompt], past_key_values=cache, use_cache=True).logits)
+        outputs.append(forward(input_ids=ids[:, :prompt], **{cache_keyword(model): cache}, use_cache=True).logits)
         for step in range(prompt, prompt + steps):
-            outputs.append(forward(input_ids=ids[:, step:step + 1], past_key_values=cache, use_cache=True).logits)
+            outputs.append(forward(input_ids=ids[:, step:step + 1], **{cache_keyword(model): cache},
+                                   use_cache=True).logits)
     stepped = torch.cat(outputs, dim=1).float()
     torch.testing.assert_close(stepped, logits(reference.forward, ids), **TOLERANCE[spec["dtype"]])
     assert int(cache.get_seq_length()) == prompt + steps
@@ -120,7 +122,7 @@ def test_generate_left_padded_batch(do_sample):
     cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=21)
     with torch.no_grad():
         torch.manual_seed(0)
-        out = model.generate(ids, past_key_values=cache, **kwargs)
+        out = model.generate(ids, **{cache_keyword(model): cache}, **kwargs)
         torch.manual_seed(0)
         expected = reference.generate(ids, **kwargs)
     assert out.shape == (2, 21)

@@ -292,7 +292,7 @@ def _decode_logits(model, plan, cache, logits, steps, kernels):
     out, token = [], logits.argmax(-1, keepdim=True)
     with torch.no_grad():
         for _ in range(steps):
-            logits = lm(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = lm(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True).logits[:, -1]
             out.append(logits)
             token = logits.argmax(-1, keepdim=True)
     return torch.stack(out, 1)
@@ -320,14 +320,15 @@ def test_the_kernels_option_runs_the_triton_kernels_in_the_compiled_model(monkey
     monkeypatch.setattr(triton_write, "latent_write", lambda **kwargs: writes.append(1) or write(**kwargs))
     ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
     with torch.no_grad():
-        on_kernel = lrkv.compile(model, plan, kernels="triton")(
-            input_ids=ids, use_cache=True, past_key_values=lrkv.LatentCache(model, plan, max_batch_size=2,
-                                                                            max_cache_len=32)).logits
+        fresh = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
+        on_kernel = lrkv.compile(model, plan, kernels="triton")(input_ids=ids, use_cache=True,
+                                                                **{lrkv.cache_keyword(model): fresh}).logits
     assert len(prefills) == len(writes) == len(plan.sites)
     cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
     writes.clear()
     with torch.no_grad():
-        prompt = lrkv.compile(model, plan, kernels="reference")(input_ids=ids, past_key_values=cache, use_cache=True)
+        prompt = lrkv.compile(model, plan, kernels="reference")(input_ids=ids, **{lrkv.cache_keyword(model): cache},
+                                                                  use_cache=True)
     assert not writes
     torch.testing.assert_close(on_kernel, prompt.logits, atol=2e-4, rtol=2e-4)
     twin = copy.deepcopy(cache)

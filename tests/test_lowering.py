@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import lrkv_compile as lrkv
+from lrkv_compile.trace import cache_keyword
 from strategies import VOCAB, build_model
 
 
@@ -21,8 +22,8 @@ def test_inductor_compiles_the_rewritten_graph_and_changes_no_result():
         cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)
         lm = lrkv.compile(model, plan, **options)
         with torch.no_grad():
-            prefill = lm(input_ids=ids, past_key_values=cache, use_cache=True).logits
-            decode = lm(input_ids=prefill[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+            prefill = lm(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True).logits
+            decode = lm(input_ids=prefill[:, -1:].argmax(-1), **{cache_keyword(model): cache}, use_cache=True).logits
         results[name] = (prefill, decode, int(cache.get_seq_length()))
     for name in ("inductor", "reduce-overhead"):
         assert results[name][2] == results["plain"][2] == 10
@@ -58,7 +59,8 @@ def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypa
     monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: seen.append(inputs) or lower(gm, inputs, *args))
     cache = lrkv.LatentCache(model, plan, max_batch_size=3, max_cache_len=24)
     with torch.no_grad():
-        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (3, 1)), past_key_values=cache, use_cache=True)
+        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (3, 1)), **{cache_keyword(model): cache},
+                                  use_cache=True)
     assert len(seen) == 1
     symbolic = [value for value in seen[0] if isinstance(value, torch.SymInt)
                 or isinstance(value, torch.Tensor) and not all(isinstance(size, int) for size in value.shape)]
@@ -88,7 +90,8 @@ def test_cuda_graphs_replay_decode_steps_of_a_channel_axis_plan():
         steps, chosen, token = [], [], prompt
         with torch.no_grad():
             for step in range(13):
-                steps.append(lm(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1].float().clone())
+                steps.append(lm(input_ids=token, **{cache_keyword(model): cache},
+                                use_cache=True).logits[:, -1].float().clone())
                 token = steps[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
                 chosen.append(token)
         logits[name], tokens = torch.stack(steps), chosen
@@ -124,8 +127,9 @@ def test_cuda_graphs_capture_and_replay_a_long_prefill_on_the_rebuild_path(monke
         with torch.no_grad():
             for prompt in prompts:
                 cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=tokens + 8)
-                prefill = lm(input_ids=prompt, past_key_values=cache, use_cache=True).logits.float().clone()
-                decode = lm(input_ids=prompt[:, -1:], past_key_values=cache, use_cache=True).logits.float().clone()
+                cached = {cache_keyword(model): cache, "use_cache": True}
+                prefill = lm(input_ids=prompt, **cached).logits.float().clone()
+                decode = lm(input_ids=prompt[:, -1:], **cached).logits.float().clone()
                 steps.append((prefill, decode))
         logits[name] = steps
     assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"

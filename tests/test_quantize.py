@@ -11,6 +11,7 @@ import lrkv_compile as lrkv
 from lrkv_compile.lowering.quantize import QUANTIZED_BITS, dequantize, pack_codes, packed_width, quantize, unpack_codes
 from lrkv_compile.passes.factorize import ROTATIONS, rotate, rotation
 from lrkv_compile.reference import stepwise
+from lrkv_compile.trace import cache_keyword
 from strategies import TOLERANCE, VOCAB, build_model
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, print_blob=True)
@@ -138,7 +139,7 @@ def test_each_step_reads_earlier_steps_quantized_and_its_own_tokens_exact(prompt
     starts = [0, *range(prompt, ids.shape[1], chunk)]
     with torch.no_grad(), stepwise(reference):
         for start, end in zip(starts, starts[1:] + [ids.shape[1]]):
-            got = lm(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
+            got = lm(input_ids=ids[:, start:end], **{cache_keyword(model): cache}, use_cache=True).logits
             expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
             torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
     # and the cached positions really are read back quantized: further from the 16-bit numbers than the tolerance
@@ -273,7 +274,7 @@ def test_outlier_channels_through_a_latent_cache_equal_the_reference(axis_k):
     lm = lrkv.compile(model, plan)
     with torch.no_grad(), stepwise(reference):
         for start, end in ((0, 5), (5, 6), (6, 9), (9, 11)):
-            got = lm(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits
+            got = lm(input_ids=ids[:, start:end], **{cache_keyword(model): cache}, use_cache=True).logits
             expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
             torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
     with pytest.raises(lrkv.PlanError, match="needs a joint-scheme side"):

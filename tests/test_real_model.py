@@ -6,6 +6,7 @@ import torch
 
 import lrkv_compile as lrkv
 from lrkv_compile.models import load_smollm2, python_docs_text, token_batches
+from lrkv_compile.trace import cache_keyword
 
 PROMPT = "The history of the printing press begins"
 
@@ -21,7 +22,7 @@ def compiled_generate(model, plan, prompt, new_tokens, cache=None):
     model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
     try:
         with torch.no_grad():
-            return model.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+            return model.generate(prompt, **{cache_keyword(model): cache}, max_new_tokens=new_tokens, do_sample=False)
     finally:
         del model.forward  # back to the class's forward
 

@@ -9,6 +9,7 @@ from transformers import AttentionInterface, DynamicCache, GPTNeoXConfig, GPTNeo
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import lrkv_compile as lrkv
+from lrkv_compile.trace import cache_keyword
 from strategies import VOCAB, build_model
 
 SPEC = dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=64, attention_bias=False,
@@ -51,12 +52,13 @@ ALL_MASK_ATTENTION_FUNCTIONS.register("lrkv_test_windowed", sdpa_mask)
 
 
 def _steps(forward, cache, ids, steps):
-    """Logits of the prompt `ids` prefilled into `cache`, then of `steps` greedy one-token steps, concatenated."""
+    """Logits of the prompt `ids` prefilled into `cache` ({keyword: cache}), then of `steps` greedy one-token steps,
+    concatenated."""
     with torch.no_grad():
-        logits = [forward(input_ids=ids, past_key_values=cache, use_cache=True).logits]
+        logits = [forward(input_ids=ids, **cache, use_cache=True).logits]
         for _ in range(steps):
             token = logits[-1][:, -1:].argmax(-1)
-            logits.append(forward(input_ids=token, past_key_values=cache, use_cache=True).logits)
+            logits.append(forward(input_ids=token, **cache, use_cache=True).logits)
     return torch.cat(logits, 1)
 
 
@@ -77,15 +79,15 @@ def test_a_windowed_full_rank_plan_computes_windowed_rope_on_the_model(family):
     model = build_model(SPEC) if family == "llama" else _neox()
     plan = dataclasses.replace(lrkv.RankPlan.uniform(model, keep=1.0, progress=False), rope_window=WINDOW)
     ids = torch.randint(0, VOCAB, (2, 7))
-    lm = lrkv.compile(model, plan)
-    actual = _steps(lm, lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16), ids, 5)
-    exact = _steps(model, DynamicCache(config=model.config), ids, 5)
+    lm, keyword = lrkv.compile(model, plan), cache_keyword(model)
+    actual = _steps(lm, {keyword: lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)}, ids, 5)
+    exact = _steps(model, {keyword: DynamicCache(config=model.config)}, ids, 5)
     inner = model.model if family == "llama" else model.gpt_neox
     for layer in inner.layers:
         attention = layer.self_attn if family == "llama" else layer.attention
         attention.lrkv_inv_freq = inner.rotary_emb.inv_freq
     model.config._attn_implementation = "lrkv_test_windowed"
-    expected = _steps(model, DynamicCache(config=model.config), ids, 5)
+    expected = _steps(model, {keyword: DynamicCache(config=model.config)}, ids, 5)
     torch.testing.assert_close(actual, expected, atol=2e-4, rtol=2e-4)
     assert (actual - exact).abs().max() > 10 * 2e-4  # the window changes what is computed, beyond the tolerance
 

@@ -93,7 +93,7 @@ def test_gpt_j_keys_are_matched_with_interleaved_rope_read_from_its_table():
     model = zoo.build("gptj", layers=1)
     plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
     cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=8)
-    gm, _, _, name_of = capture(model, torch.arange(6)[None], past_key_values=cache)
+    gm, _, _, name_of = capture(model, torch.arange(6)[None], cache=cache)
     sites, unmatched = find_sites(gm, name_of)
     assert not unmatched and len(sites) == 1
     site = sites[0]

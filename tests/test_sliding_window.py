@@ -6,6 +6,7 @@ import torch
 import lrkv_compile as lrkv
 from lrkv_compile import zoo
 from lrkv_compile.reference import stepwise
+from lrkv_compile.trace import cache_keyword
 from strategies import TOLERANCE
 
 WINDOW = 5
@@ -37,7 +38,7 @@ def test_a_sliding_window_layer_holds_a_ring_and_decodes_as_the_reference(family
         # a prompt longer than the window, decode steps, and continuation chunks longer than the window
         for start, end in ((0, 7), (7, 8), (8, 9), (9, 15), (15, 16), (16, 24)):
             positions = torch.arange(start, end)[None].expand(2, -1)
-            got = compiled(input_ids=ids[:, start:end], position_ids=positions, past_key_values=cache,
+            got = compiled(input_ids=ids[:, start:end], position_ids=positions, **{cache_keyword(model): cache},
                            use_cache=True).logits
             expected = reference(input_ids=ids[:, :end], use_cache=False).logits[:, start:]
             torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])

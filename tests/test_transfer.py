@@ -8,6 +8,7 @@ import torch
 import lrkv_compile as lrkv
 from lrkv_compile import zoo
 from lrkv_compile.reference import stepwise
+from lrkv_compile.trace import cache_keyword
 from lrkv_compile.transfer import latent_share, transfer_with_mapping
 from strategies import TOLERANCE
 
@@ -41,7 +42,7 @@ def test_a_plan_carries_over_to_another_architecture_within_its_budget(source_pl
     with torch.no_grad(), stepwise(reference):
         for start, end in ((0, 6), (6, 7), (7, 10)):
             got = compiled(input_ids=ids[:, start:end], position_ids=torch.arange(start, end)[None],
-                           past_key_values=cache, use_cache=True).logits
+                           **{cache_keyword(target): cache}, use_cache=True).logits
             torch.testing.assert_close(got, reference(input_ids=ids[:, :end]).logits[:, start:],
                                        **TOLERANCE[torch.float32])
 

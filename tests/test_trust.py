@@ -14,6 +14,7 @@ from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import lrkv_compile as lrkv
+from lrkv_compile.trace import cache_keyword
 from strategies import TOLERANCE, VOCAB, build_model
 
 pytestmark = pytest.mark.keep_dynamo_state
@@ -105,7 +106,7 @@ def test_qwen2_generates_through_a_latent_cache():
     model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
     cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+        out = model.generate(ids, **{cache_keyword(model): cache}, max_new_tokens=10, do_sample=False)
         expected = reference.generate(ids, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, expected)
     graphs = lrkv.backend.reports[reports_before:]
