@@ -24,7 +24,7 @@ def rebuild_kernel(
         v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
         new_v_ptr, new_v_sb, new_v_st,
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr,
-        keys_ptr, keys_sb, keys_sh, keys_ss, values_ptr, values_sb, values_sh, values_ss,
+        keys_ptr, keys_sb, keys_sh, keys_ss, plain_ptr, values_ptr, values_sb, values_sh, values_ss,
         length_ptr, tokens, k_width, k_sinks, k_window, v_width, v_sinks, v_window,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
@@ -34,10 +34,11 @@ def rebuild_kernel(
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
         V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr, BLOCK_S: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr, PLAIN: tl.constexpr, BLOCK_S: tl.constexpr):
     """keys [batch, KV_HEADS, slots, HEAD_DIM] and values [batch, KV_HEADS, slots, V_BLOCK_RANK] (DTYPE) of the slots
     [0, earlier) read from the cache, or with NEW of this step's [earlier, length) from new_k / new_v (length: the
-    slots written, on the device; earlier = length - tokens). Programs past those slots store nothing."""
+    slots written, on the device; earlier = length - tokens). With PLAIN (windowed RoPE) the keys also go unturned,
+    as the projection made them, to plain_ptr (the strides of keys). Programs past those slots store nothing."""
     tile, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
@@ -70,14 +71,17 @@ def rebuild_kernel(
     if HAS_BIAS:
         key1 += tl.load(bias_k_ptr + col).to(tl.float32)[None, :]
         key2 += tl.load(bias_k_ptr + col + HALF).to(tl.float32)[None, :]
+    at = b64 * keys_sb + h * keys_sh + slots.to(tl.int64)[:, None] * keys_ss + d[None, :]
+    if PLAIN:
+        tl.store(plain_ptr + at, key1.to(DTYPE), mask=slot_ok[:, None])
+        tl.store(plain_ptr + at + HALF, key2.to(DTYPE), mask=slot_ok[:, None])
     if HAS_ROPE:
         inv_freq = tl.load(inv_freq_ptr + d).to(tl.float32)
         pos = tl.load(pos_ptr + b * pos_sb + slots, mask=slot_ok, other=0)
         cos, sin = _trig(_reduce_angle(pos.to(tl.float32)[:, None] * inv_freq[None, :]), FAST_MATH)
         key1, key2 = key1 * cos - key2 * sin, key2 * cos + key1 * sin
-    keys_at = keys_ptr + b64 * keys_sb + h * keys_sh + slots.to(tl.int64)[:, None] * keys_ss + d[None, :]
-    tl.store(keys_at, key1.to(DTYPE), mask=slot_ok[:, None])
-    tl.store(keys_at + HALF, key2.to(DTYPE), mask=slot_ok[:, None])
+    tl.store(keys_ptr + at, key1.to(DTYPE), mask=slot_ok[:, None])
+    tl.store(keys_ptr + at + HALF, key2.to(DTYPE), mask=slot_ok[:, None])
     v_lo = (h // V_HEADS_PER_BLOCK) * V_BLOCK_RANK
     for c in range(0, V_BLOCK_RANK, V_CHUNK):
         values = _latents(v_cache, v_new, b, t0, slots, slot_ok, earlier, v_lo + c, v_lo + V_BLOCK_RANK, length, NEW,

@@ -6,7 +6,8 @@ dequantizes the slots' latents and rebuilds their keys again; and, for chunks lo
 one pass, the rebuild path: `kernels/latent_rebuild.py` rebuilds each slot's key (turned to its position) and copies
 its value latent once into dense buffers of the model's dtype, one layer's worth, and
 `F.scaled_dot_product_attention(..., enable_gqa=True)` (flash or memory-efficient, on CUDA) attends over them in
-latent space.
+latent space; under windowed RoPE the keys go unturned too, and two flash-attention passes (near slots over the turned
+keys, far ones over the unturned) merge by their log-sum-exps (`_windowed_attention`).
 
 `prefill_attention(**kwargs)` takes the keyword arguments `triton_decode.decode_attention` takes (those of
 `reference.latent_attention` that `ops.latent_attention` passes to a kernel) and returns what the reference returns,
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from lrkv_compile.kernels import latent_prefill, latent_rebuild
+from . import reference
 from .triton_decode import BITS, DTYPES, _side, check_inputs, diagonal_blocks, project_values
 
 LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new tokens up to this, once for all longer
@@ -68,7 +70,7 @@ def choose_path(query, attn_mask, rope_window, k_bits, v_bits) -> str:
     16-bit) that it covers (`rebuild_refusal`): one layer's keys and value latents rebuilt into dense buffers, then
     SDPA; else "kernel", the flash-style kernel, which re-reads the latents per tile of queries."""
     least = REBUILD_TOKENS_16BIT if k_bits == v_bits == 16 else REBUILD_TOKENS
-    if query.shape[2] < least or rebuild_refusal(attn_mask, rope_window) is not None:
+    if query.shape[2] < least or rebuild_refusal(query, attn_mask, rope_window) is not None:
         return "kernel"
     return "rebuild"
 
@@ -79,15 +81,34 @@ def _capturing(query) -> bool:
     return query.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def rebuild_refusal(attn_mask, rope_window):
-    """Why the rebuild path cannot compute a step (None: it can)."""
-    if rope_window:
-        return ("windowed RoPE: a slot scores turned or at the window's edge depending on the query, which one set of "
-                "rebuilt keys cannot hold (the prefill kernel can)")
+def rebuild_refusal(query, attn_mask, rope_window, v_range=None):
+    """Why the rebuild path cannot compute a step (None: it can). Windowed RoPE takes it through two flash-attention
+    passes whose windows are counted in slots (`_windowed_attention`), which need no mask, a half-precision query,
+    the host to know the length, and value latents no wider than the query's head_dim (v_range, where known)."""
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         return ("an additive mask: CUDA's SDPA zeroes a query whose visible columns the mask's finfo.min covers "
                 "entirely, where the reference attends uniformly over them (the prefill kernel does too)")
+    if not rope_window:
+        return None
+    if attn_mask is not None:
+        return "windowed RoPE with the model's mask: its flash-attention passes take none"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"windowed RoPE in {query.dtype}: its flash-attention passes take float16 and bfloat16"
+    if _capturing(query):
+        return "windowed RoPE under CUDA-graph capture: its windows need the length on the host"
+    if v_range is not None and v_range > query.shape[-1]:
+        return f"windowed RoPE with value latents of {v_range} channels, wider than head_dim={query.shape[-1]}"
     return None
+
+
+def _runs_on(positions, length, batch):
+    """(length, whether every row's positions run on by one from slot to slot up to it): one read on the host. The
+    windowed rebuild path counts its windows in slots, which equals counting in positions only then."""
+    length = length.reshape(()).long()
+    steps = positions[:batch, 1:].long() - positions[:batch, :-1].long()
+    beyond = torch.arange(1, positions.shape[1], device=positions.device) >= length  # slots past the length
+    written, runs = torch.stack((length, ((steps == 1) | beyond).all().long())).tolist()
+    return written, bool(runs)
 
 
 def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact,
@@ -152,14 +173,23 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         IEEE=query.dtype == torch.float32)
     widths = (k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])  # the kernels' cache sides
     scale = softmax_scale * (rope_scale if rope else 1.0)  # RoPE's scale multiplies every key
+    forced = path is not None
     if path is None:
         path = choose_path(query, attn_mask, window, k_bits, v_bits)
     if path == "rebuild":
-        refusal = rebuild_refusal(attn_mask, window)
-        if refusal is not None:
+        refusal = rebuild_refusal(query, attn_mask, window, v_range)
+        if refusal is None and window:
+            written, runs = _runs_on(positions, length, batch)
+            if not runs:
+                refusal = "windowed RoPE over positions that do not run on by one from slot to slot"
+        else:
+            written = None if _capturing(query) else int(length)
+        if refusal is not None and forced:
             raise NotImplementedError(f"the prefill rebuild path does not take {refusal}")
-        context = _rebuilt_attention(query, cache_args, widths, side_constants, length, positions.shape[1], attn_mask,
-                                     scale, num_kv_heads, v_range, interpret)
+        path = "kernel" if refusal is not None else path  # the launcher's own choice falls back to the kernel
+    if path == "rebuild":
+        context = _rebuilt_attention(query, cache_args, widths, side_constants, length, written, positions, attn_mask,
+                                     scale, num_kv_heads, v_range, interpret, inv_freq, window)
         if up_v is None:
             return context.transpose(1, 2).reshape(batch, tokens, heads * v_range)
         # in the model's dtype, one batched product over each KV head's rows (cuDNN's SDPA returns the context in
@@ -186,31 +216,91 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
                           query.dtype)
 
 
-def _rebuilt_attention(query, cache_args, widths, constants, length, capacity, attn_mask, scale, num_kv_heads,
-                       v_range, interpret):
+def _rebuilt_attention(query, cache_args, widths, constants, length, written, positions, attn_mask, scale,
+                       num_kv_heads, v_range, interpret, inv_freq, window):
     """The rebuild path: every slot's key (turned to its position) and value latent into dense buffers of the model's
     dtype, [batch, kv_heads, slots, head_dim | v_range] (one layer's working set), then
-    `F.scaled_dot_product_attention` with enable_gqa over them. `slots` is the length, read on the host; under
-    CUDA-graph capture, which cannot read it, the cache's capacity, the buffers zeroed and the slots past the length
-    masked. Returns the latent context [batch, heads, tokens, v_range], 0 for a query that sees no slot."""
+    `F.scaled_dot_product_attention` with enable_gqa over them; with windowed RoPE (window > 0) the keys unturned
+    too, and `_windowed_attention` over both. `slots` is the length (`written`, read on the host); under CUDA-graph
+    capture, which cannot read it (written None), the cache's capacity, the buffers zeroed and the slots past the
+    length masked. Returns the latent context [batch, heads, tokens, v_range], 0 for a query that sees no slot."""
     batch, _, tokens, head_dim = query.shape
-    capturing = _capturing(query)
-    slots = capacity if capturing else int(length)
-    allocate = query.new_zeros if capturing else query.new_empty  # zeros: 0 weight times garbage could be NaN
+    slots = positions.shape[1] if written is None else written
+    allocate = query.new_zeros if written is None else query.new_empty  # zeros: 0 weight times garbage could be NaN
     keys = allocate(batch, num_kv_heads, slots, head_dim)
-    values = allocate(batch, num_kv_heads, slots, v_range)
+    plain = allocate(batch, num_kv_heads, slots, head_dim) if window else keys
+    # flash attention takes values as wide as the keys: windowed value latents go in zero-padded to head_dim
+    padded = query.new_zeros(batch, num_kv_heads, slots, head_dim) if window else None
+    values = padded[..., :v_range] if window else allocate(batch, num_kv_heads, slots, v_range)
     block_s = REBUILD_SLOTS_INTERPRETED if interpret else (64 if head_dim <= 128 else 32)
     for new, count in ((False, slots - tokens), (True, tokens)):  # the cache's slots, then this step's exact latents
         if count:
             latent_rebuild.rebuild_kernel[(triton.cdiv(count, block_s), batch * num_kv_heads)](
-                *cache_args, keys, *keys.stride()[:3], values, *values.stride()[:3], length, tokens,
-                *widths, NEW=new, BLOCK_S=block_s, num_warps=4, **constants)
-    mask, causal = _visible(attn_mask, tokens, slots, None if capturing else slots, length)
+                *cache_args, keys, *keys.stride()[:3], plain, values, *values.stride()[:3], length, tokens,
+                *widths, NEW=new, PLAIN=bool(window), BLOCK_S=block_s, num_warps=4, **constants)
+    if window:
+        return _windowed_attention(query, keys, plain, padded, positions, inv_freq, window, written,
+                                   scale)[..., :v_range]
+    mask, causal = _visible(attn_mask, tokens, slots, written, length)
     context = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
                                                                scale=scale, enable_gqa=True)
     if mask is not None:  # a query the mask hides every slot from attends to nothing, as in the reference
         context.nan_to_num_(0.0)
     return context
+
+
+def _windowed_attention(query, keys, plain, values, positions, inv_freq, window, written, scale):
+    """Attention under windowed RoPE over rebuilt keys, for positions that run on by one from slot to slot (a window
+    of positions is then one of slots): a slot fewer than `window` slots behind the query scores against its turned
+    key (`keys`), a farther one against its unturned key (`plain`) with the query turned to the window's edge,
+    R(window - p) q_rot (`reference.windowed_scores`). Two flash-attention passes, both aligned at the last slot as
+    flash attention aligns a chunk after a prefix: the near one over every slot, each query seeing the `window`
+    slots up to its own (a sliding window), the far one causal over the slots but the last `window`, for the queries
+    that have any; merged by their log-sum-exps into one softmax. Every query sees its own slot, so the merged
+    softmax is never empty. Returns the latent context [batch, heads, tokens, head_dim] (values zero-padded to it)."""
+    batch, heads, tokens, head_dim = query.shape
+    earlier = written - tokens
+    context, near_lse = _flash_with_lse(query, keys, values, scale, window_left=window - 1)
+    first = max(0, window - earlier)  # the first query with a slot `window` or more behind it
+    if first >= tokens:
+        return context
+    # the far queries turned by R(window - p): angles in float64 (positions in the tens of thousands stay exact), the
+    # turn in float32, then the query's dtype
+    angles = (window - positions[:batch, earlier + first:written].long()).double()[:, None, :, None] * inv_freq.double()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    half = query.float()[:, :, first:].split(head_dim // 2, dim=-1)
+    far_query = torch.cat((half[0] * cos - half[1] * sin, half[1] * cos + half[0] * sin), dim=-1).to(query.dtype)
+    far, far_lse = _flash_with_lse(far_query, plain[:, :, :written - window], values[:, :, :written - window], scale,
+                                   window_left=None)
+    # the merged softmax: each pass's context weighted by its share of the total exp-sum
+    near_share = torch.sigmoid(near_lse[:, :, first:] - far_lse)[..., None].to(context.dtype)
+    context[:, :, first:] = torch.lerp(far, context[:, :, first:], near_share)
+    return context
+
+
+def _flash_with_lse(query, keys, values, scale, window_left):
+    """Causal attention of query [batch, heads, rows, head_dim] over keys / values [batch, kv_heads, slots,
+    head_dim] (GQA), aligned at the last slot (row i sees slots up to i + slots - rows), and only the window_left + 1
+    slots up to that where window_left is given: (context [batch, heads, rows, head_dim] in the query's dtype,
+    float32 log-sum-exp of each row's scaled scores [batch, heads, rows]). Every row must see a slot (slots >= rows).
+    On CUDA, PyTorch's flash-attention kernel, which returns the log-sum-exp; elsewhere (tests under Triton's
+    interpreter) the same in float32."""
+    batch, heads, rows, _ = query.shape
+    slots = keys.shape[2]
+    if query.is_cuda:
+        context, lse, *_ = torch.ops.aten._flash_attention_forward(
+            query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), None, None, rows, slots, 0.0,
+            window_left is None, False, scale=scale, window_size_left=window_left,
+            window_size_right=None if window_left is None else 0)
+        return context.transpose(1, 2), lse[..., :rows]
+    column = torch.arange(slots)[None, :]
+    last = torch.arange(rows)[:, None] + slots - rows  # the last slot each row sees
+    seen = (column <= last) & ((column > last - window_left - 1) if window_left is not None else True)
+    group = heads // keys.shape[1]
+    scores = (query.float() @ keys.float().repeat_interleave(group, 1).transpose(-1, -2) * scale)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    context = torch.softmax(scores, dim=-1) @ values.float().repeat_interleave(group, 1)
+    return context.to(query.dtype), scores.logsumexp(dim=-1)
 
 
 def _visible(attn_mask, tokens, slots, written, length):

@@ -82,16 +82,21 @@ BASE = dict(batch=2, kv_heads=2, group_heads=3, head_dim=64, dtype=torch.float32
 @settings(SETTINGS, max_examples=max(1, SETTINGS.max_examples // 2))
 @given(case=prefill_cases())
 def test_rebuild_path_matches_the_reference(case):
-    """The same drawn steps on the rebuild path, which takes no windowed RoPE and no additive mask (`rebuild_refusal`):
-    those draws run with exact RoPE and a boolean mask."""
-    check(build_prefill_case(**{**case, "rope_window": 0, "mask": "bool" if case["mask"] == "additive" else
-                                case["mask"]}), "rebuild")
+    """The same drawn steps on the rebuild path, which takes no additive mask, and windowed RoPE only in half
+    precision without a mask (`rebuild_refusal`): additive masks become boolean ones, and windowed draws run in
+    float16 or bfloat16 without a mask."""
+    if case["rope_window"]:
+        case = {**case, "mask": "none", "padding": False, "blind_row": False,
+                "dtype": torch.float16 if case["dtype"] == torch.float32 else case["dtype"]}
+    check(build_prefill_case(**{**case, "mask": "bool" if case["mask"] == "additive" else case["mask"]}), "rebuild")
 
 
-def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers():
+def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers(monkeypatch):
     """Chunks of REBUILD_TOKENS tokens or more take the rebuild path (one read of each slot, then SDPA), shorter ones
-    the kernel (with 16-bit latents, REBUILD_TOKENS_16BIT); windowed RoPE and additive masks stay on the kernel, and
-    forcing the rebuild path on them says why not."""
+    the kernel (with 16-bit latents, REBUILD_TOKENS_16BIT); additive masks stay on the kernel, and windowed RoPE too
+    where the rebuild path's flash-attention passes cannot take it (a mask, float32, positions that do not run on
+    slot to slot): forcing the rebuild path on them says why not, and the launcher's own choice falls back to the
+    kernel."""
     long = build_prefill_case(**{**BASE, "earlier": 5, "tokens": triton_prefill.REBUILD_TOKENS})
     query, mask = long["query"], long["attn_mask"]
     assert triton_prefill.choose_path(query, mask, 0, 4, 3) == "rebuild"
@@ -102,10 +107,26 @@ def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers():
     assert triton_prefill.choose_path(sixteen_bit, mask, 0, 16, 16) == "rebuild"
     assert triton_prefill.choose_path(query, mask, 16, 4, 3) == "kernel"
     assert triton_prefill.choose_path(query, mask.float(), 0, 4, 3) == "kernel"
+    assert triton_prefill.choose_path(query.half(), None, 16, 4, 3) == "rebuild"
+    assert triton_prefill.choose_path(query, None, 16, 4, 3) == "kernel"
     check(long)  # the launcher's own choice, the rebuild path
-    windowed = build_prefill_case(**{**BASE, "rope_window": 6})
-    with pytest.raises(NotImplementedError, match="windowed RoPE"):
-        triton_prefill.prefill_attention_with("rebuild", **windowed)
+    windowed = dict(BASE, rope_window=6, earlier=5, tokens=triton_prefill.REBUILD_TOKENS, dtype=torch.float16,
+                    mask="none", padding=False)
+    for change, what in ((dict(dtype=torch.float32), "in torch.float32"),
+                         (dict(mask="bool", padding=True), "the model's mask")):
+        with pytest.raises(NotImplementedError, match=what):
+            triton_prefill.prefill_attention_with("rebuild", **build_prefill_case(**{**windowed, **change}))
+    jumping = build_prefill_case(**windowed)
+    jumping["positions"][:, 3:] += 100  # a gap in the positions: a window of positions is no longer one of slots
+    with pytest.raises(NotImplementedError, match="do not run on"):
+        triton_prefill.prefill_attention_with("rebuild", **jumping)
+    monkeypatch.setattr(triton_prefill, "_capturing", lambda query: True)  # no length on the host: the kernel
+    assert triton_prefill.choose_path(query.half(), None, 16, 4, 3) == "kernel"
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(triton_prefill, "_windowed_attention", lambda *args: calls.append(args))
+    check(jumping)  # the kernel, the launcher's own choice after the rebuild path's refusal
+    assert not calls
     additive = build_prefill_case(**{**BASE, "mask": "additive"})
     with pytest.raises(NotImplementedError, match="additive mask"):
         triton_prefill.prefill_attention_with("rebuild", **additive)
@@ -167,6 +188,16 @@ def test_windowed_rope_turns_far_slots_to_the_window_edge(dtype, scheme):
     its own turn to the window's edge, the nearer ones as RoPE turns them (the edge falls inside the chunk too)."""
     blocks = {} if scheme == "head" else dict(k_blocks=1, k_block_rank=144)
     check(build_prefill_case(**{**BASE, **blocks, "dtype": dtype, "rope_window": 10, "start_position": 3000}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("earlier, tokens, window", [(0, 17, 5), (45, 13, 10), (3, 9, 12), (30, 8, 40), (0, 6, 1)])
+def test_windowed_rope_on_the_rebuild_path(dtype, earlier, tokens, window):
+    """The rebuild path under windowed RoPE: a sliding-window pass over the turned keys and a causal pass over the
+    unturned keys of the slots `window` or more behind, merged: a prompt, a chunk after earlier ones, a window reaching
+    past the chunk's first queries' slots, one longer than everything (no far slot), and a window of one slot."""
+    check(build_prefill_case(**{**BASE, "dtype": dtype, "earlier": earlier, "tokens": tokens, "rope_window": window,
+                                "mask": "none", "padding": False, "start_position": 3000}), "rebuild")
 
 
 def test_a_mask_broadcast_over_the_batch_and_the_heads():
