@@ -28,6 +28,7 @@ a byte per pair, where SDPA's flash and memory-efficient kernels keep their scor
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,6 +43,7 @@ LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new to
 # 0.83; 256 tokens, keep 0.5: 0.47 and 0.54-0.64; 512: 0.66 and 0.59-0.82, the crossover; 2048: 2.51 and 1.53-1.63)
 REBUILD_TOKENS = 64
 REBUILD_TOKENS_16BIT = 512
+FLASH_WIDTH = 256  # the widest heads PyTorch's flash-attention kernel takes (the windowed rebuild path's passes)
 REBUILD_SLOTS_INTERPRETED = 16  # the rebuild kernel's tile of slots under the interpreter: several tiles in small tests
 
 
@@ -82,33 +84,44 @@ def _capturing(query) -> bool:
 
 
 def rebuild_refusal(query, attn_mask, rope_window, v_range=None):
-    """Why the rebuild path cannot compute a step (None: it can). Windowed RoPE takes it through two flash-attention
-    passes whose windows are counted in slots (`_windowed_attention`), which need no mask, a half-precision query,
-    the host to know the length, and value latents no wider than the query's head_dim (v_range, where known)."""
+    """Why the rebuild path cannot compute a step (None: it can), as far as the shapes tell. Windowed RoPE takes it
+    through two flash-attention passes whose windows are counted in slots (`_windowed_attention`), which need a
+    half-precision query, the host to know the length, and value latents of at most FLASH_WIDTH channels (v_range,
+    where known); the step's values decide the rest (`_flash_windows_refusal`)."""
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         return ("an additive mask: CUDA's SDPA zeroes a query whose visible columns the mask's finfo.min covers "
                 "entirely, where the reference attends uniformly over them (the prefill kernel does too)")
     if not rope_window:
         return None
-    if attn_mask is not None:
-        return "windowed RoPE with the model's mask: its flash-attention passes take none"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"windowed RoPE in {query.dtype}: its flash-attention passes take float16 and bfloat16"
     if _capturing(query):
         return "windowed RoPE under CUDA-graph capture: its windows need the length on the host"
-    if v_range is not None and v_range > query.shape[-1]:
-        return f"windowed RoPE with value latents of {v_range} channels, wider than head_dim={query.shape[-1]}"
+    if v_range is not None and v_range > FLASH_WIDTH:
+        return f"windowed RoPE with value latents of {v_range} channels, wider than flash attention's {FLASH_WIDTH}"
     return None
 
 
-def _runs_on(positions, length, batch):
-    """(length, whether every row's positions run on by one from slot to slot up to it): one read on the host. The
-    windowed rebuild path counts its windows in slots, which equals counting in positions only then."""
+def _flash_windows_refusal(positions, attn_mask, length, batch, tokens):
+    """(the length, None or why the windowed rebuild path cannot take the step), read on the host at once. Its
+    flash-attention windows are counted in slots and take no mask, so it needs every row's positions to run on by
+    one from slot to slot up to the length, and the model's boolean mask, if any, to show every slot causality shows
+    (no left padding)."""
     length = length.reshape(()).long()
     steps = positions[:batch, 1:].long() - positions[:batch, :-1].long()
     beyond = torch.arange(1, positions.shape[1], device=positions.device) >= length  # slots past the length
-    written, runs = torch.stack((length, ((steps == 1) | beyond).all().long())).tolist()
-    return written, bool(runs)
+    runs = ((steps == 1) | beyond).all()
+    shows = torch.ones((), dtype=torch.bool, device=positions.device)
+    if attn_mask is not None:
+        columns = torch.arange(attn_mask.shape[-1], device=attn_mask.device)
+        causal = columns[None, :] <= length - tokens + torch.arange(tokens, device=attn_mask.device)[:, None]
+        shows = (attn_mask | ~causal).all()
+    written, runs, shows = torch.stack((length, runs.long(), shows.long())).tolist()
+    if not shows:
+        return written, "windowed RoPE with a mask that hides slots causality shows (left padding)"
+    if not runs:
+        return written, "windowed RoPE over positions that do not run on by one from slot to slot"
+    return written, None
 
 
 def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact,
@@ -179,9 +192,7 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
     if path == "rebuild":
         refusal = rebuild_refusal(query, attn_mask, window, v_range)
         if refusal is None and window:
-            written, runs = _runs_on(positions, length, batch)
-            if not runs:
-                refusal = "windowed RoPE over positions that do not run on by one from slot to slot"
+            written, refusal = _flash_windows_refusal(positions, attn_mask, length, batch, tokens)
         else:
             written = None if _capturing(query) else int(length)
         if refusal is not None and forced:
@@ -227,11 +238,12 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, written, po
     batch, _, tokens, head_dim = query.shape
     slots = positions.shape[1] if written is None else written
     allocate = query.new_zeros if written is None else query.new_empty  # zeros: 0 weight times garbage could be NaN
-    keys = allocate(batch, num_kv_heads, slots, head_dim)
-    plain = allocate(batch, num_kv_heads, slots, head_dim) if window else keys
-    # flash attention takes values as wide as the keys: windowed value latents go in zero-padded to head_dim
-    padded = query.new_zeros(batch, num_kv_heads, slots, head_dim) if window else None
-    values = padded[..., :v_range] if window else allocate(batch, num_kv_heads, slots, v_range)
+    if window:  # flash attention takes keys and values of one width, a multiple of 8: the narrower zero-padded to it
+        padded = [query.new_zeros(batch, num_kv_heads, slots, max(head_dim, -(-v_range // 8) * 8)) for _ in range(3)]
+        keys, plain, values = (buffer[..., :width] for buffer, width in zip(padded, (head_dim, head_dim, v_range)))
+    else:
+        keys = plain = allocate(batch, num_kv_heads, slots, head_dim)
+        values = allocate(batch, num_kv_heads, slots, v_range)
     block_s = REBUILD_SLOTS_INTERPRETED if interpret else (64 if head_dim <= 128 else 32)
     for new, count in ((False, slots - tokens), (True, tokens)):  # the cache's slots, then this step's exact latents
         if count:
@@ -239,8 +251,7 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, written, po
                 *cache_args, keys, *keys.stride()[:3], plain, values, *values.stride()[:3], length, tokens,
                 *widths, NEW=new, PLAIN=bool(window), BLOCK_S=block_s, num_warps=4, **constants)
     if window:
-        return _windowed_attention(query, keys, plain, padded, positions, inv_freq, window, written,
-                                   scale)[..., :v_range]
+        return _windowed_attention(query, *padded, positions, inv_freq, window, written, scale)[..., :v_range]
     mask, causal = _visible(attn_mask, tokens, slots, written, length)
     context = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
                                                                scale=scale, enable_gqa=True)
@@ -257,10 +268,12 @@ def _windowed_attention(query, keys, plain, values, positions, inv_freq, window,
     flash attention aligns a chunk after a prefix: the near one over every slot, each query seeing the `window`
     slots up to its own (a sliding window), the far one causal over the slots but the last `window`, for the queries
     that have any; merged by their log-sum-exps into one softmax. Every query sees its own slot, so the merged
-    softmax is never empty. Returns the latent context [batch, heads, tokens, head_dim] (values zero-padded to it)."""
+    softmax is never empty. keys, plain, values: [batch, kv_heads, slots, width], zero-padded to one width (flash
+    attention's need), which the queries are padded to too. Returns the latent context [batch, heads, tokens, width]."""
     batch, heads, tokens, head_dim = query.shape
     earlier = written - tokens
-    context, near_lse = _flash_with_lse(query, keys, values, scale, window_left=window - 1)
+    pad = keys.shape[-1] - head_dim  # the queries zero-padded as the keys are
+    context, near_lse = _flash_with_lse(F.pad(query, (0, pad)), keys, values, scale, window_left=window - 1)
     first = max(0, window - earlier)  # the first query with a slot `window` or more behind it
     if first >= tokens:
         return context
@@ -269,7 +282,8 @@ def _windowed_attention(query, keys, plain, values, positions, inv_freq, window,
     angles = (window - positions[:batch, earlier + first:written].long()).double()[:, None, :, None] * inv_freq.double()
     cos, sin = angles.cos().float(), angles.sin().float()
     half = query.float()[:, :, first:].split(head_dim // 2, dim=-1)
-    far_query = torch.cat((half[0] * cos - half[1] * sin, half[1] * cos + half[0] * sin), dim=-1).to(query.dtype)
+    far_query = torch.cat((half[0] * cos - half[1] * sin, half[1] * cos + half[0] * sin,
+                           half[0].new_zeros(*half[0].shape[:-1], pad)), dim=-1).to(query.dtype)
     far, far_lse = _flash_with_lse(far_query, plain[:, :, :written - window], values[:, :, :written - window], scale,
                                    window_left=None)
     # the merged softmax: each pass's context weighted by its share of the total exp-sum

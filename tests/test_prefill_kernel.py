@@ -83,10 +83,11 @@ BASE = dict(batch=2, kv_heads=2, group_heads=3, head_dim=64, dtype=torch.float32
 @given(case=prefill_cases())
 def test_rebuild_path_matches_the_reference(case):
     """The same drawn steps on the rebuild path, which takes no additive mask, and windowed RoPE only in half
-    precision without a mask (`rebuild_refusal`): additive masks become boolean ones, and windowed draws run in
-    float16 or bfloat16 without a mask."""
+    precision where the mask shows what causality shows (`rebuild_refusal`): additive masks become boolean ones, and
+    windowed draws run in float16 or bfloat16 without left padding or random columns per head."""
     if case["rope_window"]:
-        case = {**case, "mask": "none", "padding": False, "blind_row": False,
+        case = {**case, "padding": False, "blind_row": False,
+                "mask_shape": "causal" if case["mask_shape"] == "per_head" else case["mask_shape"],
                 "dtype": torch.float16 if case["dtype"] == torch.float32 else case["dtype"]}
     check(build_prefill_case(**{**case, "mask": "bool" if case["mask"] == "additive" else case["mask"]}), "rebuild")
 
@@ -94,8 +95,8 @@ def test_rebuild_path_matches_the_reference(case):
 def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers(monkeypatch):
     """Chunks of REBUILD_TOKENS tokens or more take the rebuild path (one read of each slot, then SDPA), shorter ones
     the kernel (with 16-bit latents, REBUILD_TOKENS_16BIT); additive masks stay on the kernel, and windowed RoPE too
-    where the rebuild path's flash-attention passes cannot take it (a mask, float32, positions that do not run on
-    slot to slot): forcing the rebuild path on them says why not, and the launcher's own choice falls back to the
+    where the rebuild path's flash-attention passes cannot take it (float32, left padding, positions that do not run
+    on slot to slot): forcing the rebuild path on them says why not, and the launcher's own choice falls back to the
     kernel."""
     long = build_prefill_case(**{**BASE, "earlier": 5, "tokens": triton_prefill.REBUILD_TOKENS})
     query, mask = long["query"], long["attn_mask"]
@@ -113,7 +114,7 @@ def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers(monkeypat
     windowed = dict(BASE, rope_window=6, earlier=5, tokens=triton_prefill.REBUILD_TOKENS, dtype=torch.float16,
                     mask="none", padding=False)
     for change, what in ((dict(dtype=torch.float32), "in torch.float32"),
-                         (dict(mask="bool", padding=True), "the model's mask")):
+                         (dict(mask="bool", padding=True, pads=[3, 0]), "left padding")):
         with pytest.raises(NotImplementedError, match=what):
             triton_prefill.prefill_attention_with("rebuild", **build_prefill_case(**{**windowed, **change}))
     jumping = build_prefill_case(**windowed)
@@ -190,14 +191,26 @@ def test_windowed_rope_turns_far_slots_to_the_window_edge(dtype, scheme):
     check(build_prefill_case(**{**BASE, **blocks, "dtype": dtype, "rope_window": 10, "start_position": 3000}))
 
 
+@pytest.mark.parametrize("mask", ["none", "bool"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("earlier, tokens, window", [(0, 17, 5), (45, 13, 10), (3, 9, 12), (30, 8, 40), (0, 6, 1)])
-def test_windowed_rope_on_the_rebuild_path(dtype, earlier, tokens, window):
+def test_windowed_rope_on_the_rebuild_path(dtype, earlier, tokens, window, mask):
     """The rebuild path under windowed RoPE: a sliding-window pass over the turned keys and a causal pass over the
     unturned keys of the slots `window` or more behind, merged: a prompt, a chunk after earlier ones, a window reaching
-    past the chunk's first queries' slots, one longer than everything (no far slot), and a window of one slot."""
+    past the chunk's first queries' slots, one longer than everything (no far slot), and a window of one slot; without
+    a mask, and with the boolean causal mask over the cache's capacity that transformers passes."""
     check(build_prefill_case(**{**BASE, "dtype": dtype, "earlier": earlier, "tokens": tokens, "rope_window": window,
-                                "mask": "none", "padding": False, "start_position": 3000}), "rebuild")
+                                "mask": mask, "padding": False, "start_position": 3000}), "rebuild")
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+@pytest.mark.parametrize("v_blocks, v_block_rank, v_bits", [(2, 72, 3), (1, 136, 4), (2, 70, 16), (2, 20, 16)])
+def test_windowed_rebuild_path_with_value_latents_of_other_widths(v_blocks, v_block_rank, v_bits, absorb):
+    """Value latents wider or narrower than head_dim (64), some at widths not a multiple of 8: flash attention takes
+    one width for queries, keys and values, a multiple of 8, so all go in zero-padded to it."""
+    check(build_prefill_case(**{**BASE, "dtype": torch.float16, "v_blocks": v_blocks, "v_block_rank": v_block_rank,
+                                "v_bits": v_bits, "absorb": absorb, "rope_window": 10, "mask": "bool",
+                                "padding": False, "start_position": 3000}), "rebuild")
 
 
 def test_a_mask_broadcast_over_the_batch_and_the_heads():
