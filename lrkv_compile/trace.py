@@ -16,6 +16,7 @@ import inspect
 import types
 
 import torch
+import transformers
 from torch._dynamo.exc import Unsupported, UserError
 
 from lrkv_compile.passes.canonicalize import canonicalize
@@ -55,7 +56,9 @@ def cache_keyword(model) -> str:
 def _untraceable(model, error) -> str:
     reason = str(error).strip().splitlines()[0]
     return (f"Dynamo cannot capture {type(model).__name__}.forward as one graph ({reason}), so lrkv cannot find or "
-            f"rewrite its attention")
+            f"rewrite its attention. Where the model's own code branches on a tensor's value, a newer transformers "
+            f"may trace (this is {transformers.__version__}; OPT and models without RoPE trace from 5.20, dynamic-NTK "
+            f"and longrope RoPE from 5.24: README, 'Two commands')")
 
 
 class _Captured(Exception):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
-from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+import transformers
+from transformers import AttentionInterface, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import lrkv_compile as lrkv
@@ -297,3 +298,19 @@ def test_a_latent_cache_larger_than_a_full_one_warns():
     model = build_model(SMALL)
     with pytest.warns(lrkv.LrkvWarning, match=r"takes 1\.0\dx the bytes of a full cache"):  # full rank + positions
         lrkv.LatentCache(model, lrkv.RankPlan.uniform(model, keep=1.0, progress=False), max_cache_len=8)
+
+
+def test_a_model_dynamo_cannot_capture_whole_is_an_error_naming_the_installed_transformers():
+    """A forward whose control flow reads a tensor's value, as some transformers versions' mask and RoPE code does:
+    lrkv says it cannot rewrite the model, names the transformers installed and the versions that trace more."""
+    class BranchesOnValues(LlamaForCausalLM):
+        def forward(self, input_ids=None, **kwargs):
+            if input_ids.sum().item() > 0:
+                input_ids = input_ids.flip(-1)
+            return super().forward(input_ids=input_ids, **kwargs)
+
+    model = build_model(SMALL)
+    model.__class__ = BranchesOnValues
+    with pytest.raises(lrkv.UnrewrittenSiteError, match=rf"cannot capture BranchesOnValues\.forward as one graph "
+                       rf"\(.*\).*this is {transformers.__version__}.*from 5\.24"):
+        lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
