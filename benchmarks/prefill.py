@@ -115,7 +115,7 @@ def main():
                 for forced in ("kernel", "rebuild"):
                     try:
                         times[forced] = measure(lambda: prefill_attention_with(forced, **kwargs), device)
-                    except NotImplementedError:  # windowed RoPE: the kernel only
+                    except NotImplementedError:  # a step the rebuild path does not take (`rebuild_refusal`)
                         times[forced] = (None, None)
                 lrkv_ms, lrkv_extra = times[path]
                 sdpa_ms, sdpa_extra = measure(lambda: sdpa(kwargs["query"], keys, values, prefix), device)

@@ -24,7 +24,9 @@ rebuild path reads the length on the host, so that its buffers hold exactly the 
 capture, which cannot read it, they hold the cache's capacity, zeroed, and the mask hides the slots past the length);
 it allocates keys and value latents [batch, kv_heads, slots, head_dim | range] in the model's dtype, and, with a
 prefix or the model's mask, one boolean mask [tokens, slots] (times the mask's batch and heads, as the model's own):
-a byte per pair, where SDPA's flash and memory-efficient kernels keep their scores on chip.
+a byte per pair, where SDPA's flash and memory-efficient kernels keep their scores on chip. Under windowed RoPE it
+allocates the keys twice (turned and not) and all three buffers at one width, zero-padded, and checks the model's
+mask with a boolean temporary of its shape; its flash-attention passes take no mask.
 """
 
 import torch
@@ -69,8 +71,10 @@ def prefill_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_
 
 def choose_path(query, attn_mask, rope_window, k_bits, v_bits) -> str:
     """"rebuild" for chunks of at least REBUILD_TOKENS tokens (REBUILD_TOKENS_16BIT where both sides' latents are
-    16-bit) that it covers (`rebuild_refusal`): one layer's keys and value latents rebuilt into dense buffers, then
-    SDPA; else "kernel", the flash-style kernel, which re-reads the latents per tile of queries."""
+    16-bit) that it covers as far as their shapes tell (`rebuild_refusal`): one layer's keys and value latents rebuilt
+    into dense buffers, then SDPA; else "kernel", the flash-style kernel, which re-reads the latents per tile of
+    queries. Under windowed RoPE the step's values may still send a "rebuild" step to the kernel
+    (`_flash_windows_refusal`)."""
     least = REBUILD_TOKENS_16BIT if k_bits == v_bits == 16 else REBUILD_TOKENS
     if query.shape[2] < least or rebuild_refusal(query, attn_mask, rope_window) is not None:
         return "kernel"
@@ -95,6 +99,9 @@ def rebuild_refusal(query, attn_mask, rope_window, v_range=None):
         return None
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"windowed RoPE in {query.dtype}: its flash-attention passes take float16 and bfloat16"
+    if query.is_cuda and not (torch.backends.cuda.is_flash_attention_available()
+                              and torch.cuda.get_device_capability(query.device) >= (8, 0)):
+        return "windowed RoPE without PyTorch's flash-attention kernel on this device (it needs sm_80 or newer)"
     if _capturing(query):
         return "windowed RoPE under CUDA-graph capture: its windows need the length on the host"
     if v_range is not None and v_range > FLASH_WIDTH:
@@ -106,7 +113,7 @@ def _flash_windows_refusal(positions, attn_mask, length, batch, tokens):
     """(the length, None or why the windowed rebuild path cannot take the step), read on the host at once. Its
     flash-attention windows are counted in slots and take no mask, so it needs every row's positions to run on by
     one from slot to slot up to the length, and the model's boolean mask, if any, to show every slot causality shows
-    (no left padding)."""
+    (no left padding) and to cover every slot written."""
     length = length.reshape(()).long()
     steps = positions[:batch, 1:].long() - positions[:batch, :-1].long()
     beyond = torch.arange(1, positions.shape[1], device=positions.device) >= length  # slots past the length
@@ -117,6 +124,8 @@ def _flash_windows_refusal(positions, attn_mask, length, batch, tokens):
         causal = columns[None, :] <= length - tokens + torch.arange(tokens, device=attn_mask.device)[:, None]
         shows = (attn_mask | ~causal).all()
     written, runs, shows = torch.stack((length, runs.long(), shows.long())).tolist()
+    if attn_mask is not None and attn_mask.shape[-1] < written:
+        return written, f"windowed RoPE with a mask of {attn_mask.shape[-1]} columns for {written} slots"
     if not shows:
         return written, "windowed RoPE with a mask that hides slots causality shows (left padding)"
     if not runs:
@@ -191,10 +200,11 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         path = choose_path(query, attn_mask, window, k_bits, v_bits)
     if path == "rebuild":
         refusal = rebuild_refusal(query, attn_mask, window, v_range)
+        written = None
         if refusal is None and window:
             written, refusal = _flash_windows_refusal(positions, attn_mask, length, batch, tokens)
-        else:
-            written = None if _capturing(query) else int(length)
+        elif refusal is None and not _capturing(query):
+            written = int(length)
         if refusal is not None and forced:
             raise NotImplementedError(f"the prefill rebuild path does not take {refusal}")
         path = "kernel" if refusal is not None else path  # the launcher's own choice falls back to the kernel
@@ -232,15 +242,17 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, written, po
     """The rebuild path: every slot's key (turned to its position) and value latent into dense buffers of the model's
     dtype, [batch, kv_heads, slots, head_dim | v_range] (one layer's working set), then
     `F.scaled_dot_product_attention` with enable_gqa over them; with windowed RoPE (window > 0) the keys unturned
-    too, and `_windowed_attention` over both. `slots` is the length (`written`, read on the host); under CUDA-graph
+    too, the three buffers at one width (zero-padded), and `_windowed_attention` over them. `slots` is the length (`written`, read on the host); under CUDA-graph
     capture, which cannot read it (written None), the cache's capacity, the buffers zeroed and the slots past the
     length masked. Returns the latent context [batch, heads, tokens, v_range], 0 for a query that sees no slot."""
     batch, _, tokens, head_dim = query.shape
     slots = positions.shape[1] if written is None else written
     allocate = query.new_zeros if written is None else query.new_empty  # zeros: 0 weight times garbage could be NaN
     if window:  # flash attention takes keys and values of one width, a multiple of 8: the narrower zero-padded to it
-        padded = [query.new_zeros(batch, num_kv_heads, slots, max(head_dim, -(-v_range // 8) * 8)) for _ in range(3)]
-        keys, plain, values = (buffer[..., :width] for buffer, width in zip(padded, (head_dim, head_dim, v_range)))
+        width = max(head_dim, -(-v_range // 8) * 8)
+        padded = [(query.new_zeros if width > narrow else query.new_empty)(batch, num_kv_heads, slots, width)
+                  for narrow in (head_dim, head_dim, v_range)]
+        keys, plain, values = (buffer[..., :narrow] for buffer, narrow in zip(padded, (head_dim, head_dim, v_range)))
     else:
         keys = plain = allocate(batch, num_kv_heads, slots, head_dim)
         values = allocate(batch, num_kv_heads, slots, v_range)
@@ -253,8 +265,8 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, written, po
     if window:
         return _windowed_attention(query, *padded, positions, inv_freq, window, written, scale)[..., :v_range]
     mask, causal = _visible(attn_mask, tokens, slots, written, length)
-    context = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
-                                                               scale=scale, enable_gqa=True)
+    context = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                             enable_gqa=True)
     if mask is not None:  # a query the mask hides every slot from attends to nothing, as in the reference
         context.nan_to_num_(0.0)
     return context
@@ -273,7 +285,8 @@ def _windowed_attention(query, keys, plain, values, positions, inv_freq, window,
     batch, heads, tokens, head_dim = query.shape
     earlier = written - tokens
     pad = keys.shape[-1] - head_dim  # the queries zero-padded as the keys are
-    context, near_lse = _flash_with_lse(F.pad(query, (0, pad)), keys, values, scale, window_left=window - 1)
+    context, near_lse = _flash_with_lse(F.pad(query, (0, pad)) if pad else query, keys, values, scale,
+                                        window_left=window - 1)
     first = max(0, window - earlier)  # the first query with a slot `window` or more behind it
     if first >= tokens:
         return context

@@ -117,16 +117,27 @@ def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers(monkeypat
                          (dict(mask="bool", padding=True, pads=[3, 0]), "left padding")):
         with pytest.raises(NotImplementedError, match=what):
             triton_prefill.prefill_attention_with("rebuild", **build_prefill_case(**{**windowed, **change}))
+    length = windowed["earlier"] + windowed["tokens"]
     jumping = build_prefill_case(**windowed)
     jumping["positions"][:, 3:] += 100  # a gap in the positions: a window of positions is no longer one of slots
-    with pytest.raises(NotImplementedError, match="do not run on"):
-        triton_prefill.prefill_attention_with("rebuild", **jumping)
+    late_gap = build_prefill_case(**windowed)
+    late_gap["positions"][:, length - 1] += 1  # at the last slot written
+    with_mask = dict(windowed, mask="bool", mask_shape="causal")
+    own_hidden = build_prefill_case(**with_mask)
+    own_hidden["attn_mask"][:, :, 4, windowed["earlier"] + 4] = False  # one query's own slot
+    narrow = build_prefill_case(**with_mask)
+    narrow["attn_mask"] = narrow["attn_mask"][..., :length - 2]
+    for kwargs, what in ((jumping, "do not run on"), (late_gap, "do not run on"),
+                         (own_hidden, "hides slots causality shows"), (narrow, f"{length - 2} columns for {length}")):
+        with pytest.raises(NotImplementedError, match=what):
+            triton_prefill.prefill_attention_with("rebuild", **kwargs)
     monkeypatch.setattr(triton_prefill, "_capturing", lambda query: True)  # no length on the host: the kernel
     assert triton_prefill.choose_path(query.half(), None, 16, 4, 3) == "kernel"
     monkeypatch.undo()
     calls = []
     monkeypatch.setattr(triton_prefill, "_windowed_attention", lambda *args: calls.append(args))
     check(jumping)  # the kernel, the launcher's own choice after the rebuild path's refusal
+    check(own_hidden)
     assert not calls
     additive = build_prefill_case(**{**BASE, "mask": "additive"})
     with pytest.raises(NotImplementedError, match="additive mask"):
@@ -193,7 +204,7 @@ def test_windowed_rope_turns_far_slots_to_the_window_edge(dtype, scheme):
 
 @pytest.mark.parametrize("mask", ["none", "bool"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("earlier, tokens, window", [(0, 17, 5), (45, 13, 10), (3, 9, 12), (30, 8, 40), (0, 6, 1)])
+@pytest.mark.parametrize("earlier, tokens, window", [(0, 17, 5), (45, 13, 10), (3, 9, 8), (30, 8, 40), (0, 6, 1)])
 def test_windowed_rope_on_the_rebuild_path(dtype, earlier, tokens, window, mask):
     """The rebuild path under windowed RoPE: a sliding-window pass over the turned keys and a causal pass over the
     unturned keys of the slots `window` or more behind, merged: a prompt, a chunk after earlier ones, a window reaching
@@ -201,6 +212,15 @@ def test_windowed_rope_on_the_rebuild_path(dtype, earlier, tokens, window, mask)
     a mask, and with the boolean causal mask over the cache's capacity that transformers passes."""
     check(build_prefill_case(**{**BASE, "dtype": dtype, "earlier": earlier, "tokens": tokens, "rope_window": window,
                                 "mask": mask, "padding": False, "start_position": 3000}), "rebuild")
+
+
+@pytest.mark.parametrize("kv_heads, group_heads", [(1, 1), (1, 4), (2, 4)])
+def test_windowed_rebuild_path_over_gqa_ratios(kv_heads, group_heads):
+    """One KV head per query head, and four query heads to a KV head, with one or two KV heads (the flash passes take
+    the KV heads as they are)."""
+    check(build_prefill_case(**{**BASE, "dtype": torch.bfloat16, "kv_heads": kv_heads, "group_heads": group_heads,
+                                "k_blocks": kv_heads, "v_blocks": kv_heads, "earlier": 9, "tokens": 11,
+                                "rope_window": 7, "mask": "bool", "padding": False}), "rebuild")
 
 
 @pytest.mark.parametrize("absorb", [False, True])
