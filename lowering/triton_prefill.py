@@ -242,9 +242,10 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, written, po
     """The rebuild path: every slot's key (turned to its position) and value latent into dense buffers of the model's
     dtype, [batch, kv_heads, slots, head_dim | v_range] (one layer's working set), then
     `F.scaled_dot_product_attention` with enable_gqa over them; with windowed RoPE (window > 0) the keys unturned
-    too, the three buffers at one width (zero-padded), and `_windowed_attention` over them. `slots` is the length (`written`, read on the host); under CUDA-graph
-    capture, which cannot read it (written None), the cache's capacity, the buffers zeroed and the slots past the
-    length masked. Returns the latent context [batch, heads, tokens, v_range], 0 for a query that sees no slot."""
+    too, the three buffers at one width (zero-padded), and `_windowed_attention` over them. `slots` is the length
+    (`written`, read on the host); under CUDA-graph capture, which cannot read it (written None), the cache's
+    capacity, the buffers zeroed and the slots past the length masked. Returns the latent context [batch, heads,
+    tokens, v_range], 0 for a query that sees no slot."""
     batch, _, tokens, head_dim = query.shape
     slots = positions.shape[1] if written is None else written
     allocate = query.new_zeros if written is None else query.new_empty  # zeros: 0 weight times garbage could be NaN
@@ -284,19 +285,20 @@ def _windowed_attention(query, keys, plain, values, positions, inv_freq, window,
     attention's need), which the queries are padded to too. Returns the latent context [batch, heads, tokens, width]."""
     batch, heads, tokens, head_dim = query.shape
     earlier = written - tokens
-    pad = keys.shape[-1] - head_dim  # the queries zero-padded as the keys are
-    context, near_lse = _flash_with_lse(F.pad(query, (0, pad)) if pad else query, keys, values, scale,
-                                        window_left=window - 1)
+    pad = keys.shape[-1] - head_dim
+
+    def padded(rows):  # queries zero-padded as the keys are
+        return F.pad(rows, (0, pad)) if pad else rows
+
+    context, near_lse = _flash_with_lse(padded(query), keys, values, scale, window_left=window - 1)
     first = max(0, window - earlier)  # the first query with a slot `window` or more behind it
     if first >= tokens:
         return context
     # the far queries turned by R(window - p): angles in float64 (positions in the tens of thousands stay exact), the
     # turn in float32, then the query's dtype
     angles = (window - positions[:batch, earlier + first:written].long()).double()[:, None, :, None] * inv_freq.double()
-    cos, sin = angles.cos().float(), angles.sin().float()
-    half = query.float()[:, :, first:].split(head_dim // 2, dim=-1)
-    far_query = torch.cat((half[0] * cos - half[1] * sin, half[1] * cos + half[0] * sin,
-                           half[0].new_zeros(*half[0].shape[:-1], pad)), dim=-1).to(query.dtype)
+    cos, sin = (torch.cat((f, f), dim=-1).float() for f in (angles.cos(), angles.sin()))
+    far_query = padded(reference.turn(query.float()[:, :, first:], cos, sin).to(query.dtype))
     far, far_lse = _flash_with_lse(far_query, plain[:, :, :written - window], values[:, :, :written - window], scale,
                                    window_left=None)
     # the merged softmax: each pass's context weighted by its share of the total exp-sum
