@@ -203,9 +203,12 @@ def packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, 
     ok = ok[:, :, None]
     if BITS == 4:  # thread t of a dot operand's 4 takes channel pairs 2t, 2t + 1 mod 8: whole words of its own
         WORDS: tl.constexpr = CHUNK // 32
-        word = ch0 // 8 + tl.arange(0, 4)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]     # [4, WORDS]
-        ok = slot_ok[:, None, None] & ((word >= 0) if EVEN else (word * 8 < ch_hi))[None, :, :]
-        codes = tl.load(words_ptr + (rows // 4)[:, None, None] + word[None, :, :], mask=ok, other=0)
+        # the chunk's CHUNK // 8 words of a slot are contiguous: loaded flat, a slot's sector at a time (a load
+        # shaped [slots, 4, WORDS] took the dot's layout, each thread a word pair of another slot), then split
+        word = ch0 // 8 + tl.arange(0, CHUNK // 8)
+        ok = slot_ok[:, None] & ((word >= 0) if EVEN else (word * 8 < ch_hi))[None, :]
+        codes = tl.load(words_ptr + (rows // 4)[:, None] + word[None, :], mask=ok, other=0)
+        codes = tl.reshape(codes, (BLOCK_S, 4, WORDS))
         # each group's scale over its GROUP / 8 words
         scale = tl.reshape(tl.broadcast_to(scale, (BLOCK_S, GROUPS, GROUP // 8)), codes.shape)
         zero = tl.reshape(tl.broadcast_to(zero, (BLOCK_S, GROUPS, GROUP // 8)), codes.shape)
