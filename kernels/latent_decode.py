@@ -8,7 +8,7 @@ the head's block of `up_k` (accumulated and turned in float16 for float16 models
 positions and scores them against every query head of the KV head at once, transposed: scores [slots, G_PAD] =
 keys @ R(-p0)q, so the keys go from one product's accumulator into the next one's operand in registers. Online
 softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in latent space on tensor cores
-(for packed value codes as C_vᵀ p, the latent context held transposed: VALUES_FIRST below). The
+(for quantized value codes as C_vᵀ p, the latent context held transposed: VALUES_FIRST below). The
 tiles that hold exact sink or window copies run after the others in a loop of their own, so the main loop carries
 no branch for them. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software
 pipeline). This step's token comes from its exact latents last. Partial (max, sum, context) per split go
@@ -25,11 +25,11 @@ slot. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 roundi
 (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and correct that to
 first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
-VALUES_FIRST (packed value codes): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD], the
+VALUES_FIRST (quantized value codes): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD], the
 channels as the tensor-core product's rows (Hopper's warpgroup product from V_CHUNK 64 on), and the latent context
-is held transposed; the dequantized tile reaches the product in fewer shared-memory reads (budget 0.2 plan,
-Llama-3-8B shape, 16K, batch 16, H200: 0.273 -> 0.251 ms windowed, 0.367 -> 0.332 ms exact). 16-bit latents keep
-pᵀ C_v: transposed, keep 0.25 windowed took 0.114 -> 0.195 ms.
+is held transposed; the dequantized tile reaches the product in fewer shared-memory reads (budget 0.2 plan, packed
+codes, Llama-3-8B shape, 16K, batch 16, H200: 0.273 -> 0.251 ms windowed, 0.367 -> 0.332 ms exact). 16-bit latents
+keep pᵀ C_v: transposed, keep 0.25 windowed took 0.114 -> 0.195 ms.
 """
 import triton
 import triton.language as tl
@@ -230,7 +230,7 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
     """One tile of slots t0.. (below cached_hi) into the online softmax state (m_i, sums, acc): keys [BLOCK_S,
     HEAD_DIM] rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the slot's offset from the tile's
     first position `start`), scored as keys @ [q1r; q2r] (R(-start)q, the G_PAD query columns), then acc += pᵀ C_v
-    (acc [G_PAD, V_CHUNK]; for packed value codes acc += C_vᵀ p, acc [V_CHUNK, G_PAD]: VALUES_FIRST).
+    (acc [G_PAD, V_CHUNK]; for quantized value codes acc += C_vᵀ p, acc [V_CHUNK, G_PAD]: VALUES_FIRST).
     ordered: the tile's positions are known to be start + δ (else each slot whose position is not turns on by the
     rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile).
     k_scale_ahead, k_zero_ahead: the key codes' scales and zero points, loaded a tile ahead (None: loaded here).
@@ -238,7 +238,7 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
     to the window's offset and taken into latent space by the launcher ([K_BLOCK_RANK, G_PAD] at far_row, the
     first chunk of it in registers as far_q), plus far_bias (their product with the key bias)."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
-    VALUES_FIRST: tl.constexpr = V_PACKED
+    VALUES_FIRST: tl.constexpr = V_BITS != 16
     delta = tl.arange(0, BLOCK_S)
     slots = t0 + delta
     slot_ok = slots < cached_hi
@@ -347,7 +347,7 @@ def latent_decode_kernel(
     cached_hi = tl.minimum(s_hi, last)
     HALF: tl.constexpr = HEAD_DIM // 2
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
-    VALUES_FIRST: tl.constexpr = V_PACKED  # see VALUES_FIRST in the module docstring
+    VALUES_FIRST: tl.constexpr = V_BITS != 16  # see VALUES_FIRST in the module docstring
     d = tl.arange(0, HALF)
     g = tl.arange(0, G_PAD)
     g_ok = g < GROUP_HEADS
