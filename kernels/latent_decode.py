@@ -12,7 +12,8 @@ softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in
 tiles that hold exact sink or window copies run after the others in a loop of their own, so the main loop carries
 no branch for them. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software
 pipeline). This step's token comes from its exact latents last. Partial (max, sum, context) per split go
-to small buffers [batch*kv_heads, splits, group, channels]; `combine_splits_kernel` reduces them.
+to small buffers [batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes
+them through B_v in the same launch (`combine_splits_kernel` where the output projection absorbed B_v).
 
 RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for
 δ < BLOCK_S is a table made once per program, so no slot pays for a sine. A split first finds the tile boundary from
@@ -567,3 +568,49 @@ def combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num
                   other=0.0)
     context = tl.sum(acc * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + head_row * RANGE + ch, context, mask=ch < RANGE)
+
+
+@triton.jit
+def combine_project_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, up_ptr, bias_ptr, out_ptr, num_splits,
+                           KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, G_PAD: tl.constexpr,
+                           RANGE: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """combine_splits_kernel and the value up-projection in one launch, per (batch row, KV head): its query heads'
+    latent contexts (sum over splits of acc 2^(m - M) / sum of l 2^(m - M), 0 where no slot was visible), a CHUNK
+    of channels at a time, times the KV head's rows of B_v (up_ptr: float32 [kv_heads, RANGE, HEAD_DIM]), plus b_v;
+    out [batch, heads, HEAD_DIM] in its own dtype. Float32 throughout (PRECISION: tensor-core passes that keep it,
+    "tf32x3" on the GPU), as the reference projects the float32 context."""
+    pid_bh = tl.program_id(0)
+    h = pid_bh % KV_HEADS
+    g = tl.arange(0, G_PAD)
+    g_ok = g < GROUP_HEADS
+    top = tl.full([G_PAD], float("-inf"), tl.float32)
+    for split in range(0, num_splits):
+        top = tl.maximum(top, tl.load(part_max_ptr + (pid_bh * num_splits + split) * GROUP_HEADS + g, mask=g_ok,
+                                      other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([G_PAD], tl.float32)
+    for split in range(0, num_splits):
+        rows = (pid_bh * num_splits + split) * GROUP_HEADS + g
+        weight = tl.math.exp2(tl.load(part_max_ptr + rows, mask=g_ok, other=float("-inf")) - top)
+        total += tl.load(part_sum_ptr + rows, mask=g_ok, other=0.0) * weight
+    total = tl.where(total > 0, total, 1.0)
+    d = tl.arange(0, HEAD_DIM)
+    out = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for c in tl.static_range(0, RANGE, CHUNK):
+        ch = c + tl.arange(0, CHUNK)
+        ch_ok = ch < RANGE
+        context = tl.zeros([G_PAD, CHUNK], tl.float32)
+        for split in range(0, num_splits):
+            rows = (pid_bh * num_splits + split) * GROUP_HEADS + g
+            weight = tl.math.exp2(tl.load(part_max_ptr + rows, mask=g_ok, other=float("-inf")) - top)
+            acc = tl.load(part_acc_ptr + rows[:, None] * RANGE + ch[None, :], mask=g_ok[:, None] & ch_ok[None, :],
+                          other=0.0)
+            context += acc * weight[:, None]
+        up = tl.load(up_ptr + (h * RANGE + ch)[:, None] * HEAD_DIM + d[None, :], mask=ch_ok[:, None], other=0.0)
+        out = tl.dot(context / total[:, None], up, out, input_precision=PRECISION)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + h * HEAD_DIM + d).to(tl.float32)[None, :]
+    head_row = pid_bh * GROUP_HEADS + g
+    tl.store(out_ptr + head_row[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None])
