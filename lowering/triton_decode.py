@@ -207,13 +207,17 @@ def check_inputs(query, num_kv_heads, inv_freq, kernel: str) -> bool:
     return interpret
 
 
-def default_config(half_keys: bool, codes: bool, value_chunk: int) -> DecodeConfig:
+def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: bool = False) -> DecodeConfig:
     """The launch geometry `decode_attention` takes: DEFAULT_HALVES where keys are rebuilt in float16 (float16
-    models, head- or group-wise factors) from 16-bit latents and a program holds at most 64 value channels, DEFAULT
-    where codes are dequantized, keys are float32 or the value chunk is wider (their registers would spill under
-    the cap: 16-bit keep 0.5 keys with full-rank values took 0.47 ms capped against 0.25-0.27 ms uncapped, Llama-3-8B
-    shape at 16K, batch 16, on an H200)."""
-    return DEFAULT_HALVES if half_keys and not codes and value_chunk <= 64 else DEFAULT
+    models, head- or group-wise factors) from 16-bit latents and a program holds at most 64 value channels (32 with
+    windowed RoPE), DEFAULT where codes are dequantized, keys are float32 or the value chunk is wider (their
+    registers would spill under the cap: 16-bit keep 0.5 keys with full-rank values took 0.47 ms capped against
+    0.25-0.27 ms uncapped, Llama-3-8B shape at 16K, batch 16, on an H200). The windowed kernel, with its loop over
+    far tiles, spills 46 registers under the cap at 64 value channels against 14 without windowed RoPE: on an H100
+    (16K, batch 16, keep 0.5) it took 0.213 ms capped and 0.195 uncapped, while the exact kernel took 0.204 capped
+    and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped."""
+    cap = value_chunk <= (32 if windowed else 64)
+    return DEFAULT_HALVES if half_keys and not codes and cap else DEFAULT
 
 
 def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
@@ -304,7 +308,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed)
     if config is None:
-        config = default_config(half_keys, k_bits != 16 or v_bits != 16, values["CHUNK"])
+        config = default_config(half_keys, k_bits != 16 or v_bits != 16, values["CHUNK"], windowed)
     geometry_key = (device, tuple(constants.values()), config)
     if geometry_key not in _GEOMETRY:
         scratch = torch.empty(1, dtype=torch.float32, device=device)
