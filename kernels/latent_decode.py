@@ -577,7 +577,8 @@ def combine_project_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, up_ptr, bia
                            PRECISION: tl.constexpr):
     """combine_splits_kernel and the value up-projection in one launch, per (batch row, KV head): its query heads'
     latent contexts (sum over splits of acc 2^(m - M) / sum of l 2^(m - M), 0 where no slot was visible), a CHUNK
-    of channels at a time, times the KV head's rows of B_v (up_ptr: float32 [kv_heads, RANGE, HEAD_DIM]), plus b_v;
+    of channels at a time, times the KV head's rows of B_v (up_ptr: float32 [kv_heads, RANGE, HEAD_DIM]), plus b_v
+    (bias_ptr in the model's dtype, read as float32);
     out [batch, heads, HEAD_DIM] in its own dtype. Float32 throughout (PRECISION: tensor-core passes that keep it,
     "tf32x3" on the GPU), as the reference projects the float32 context."""
     pid_bh = tl.program_id(0)

@@ -335,7 +335,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     out = torch.empty(batch, heads, 1, head_dim, dtype=query.dtype, device=device)
     launch_kernel(latent_decode.combine_project_kernel, (batch * num_kv_heads,),
                   (part_acc, part_max, part_sum, _per_head(up_v, num_kv_heads, v_blocks),
-                   bias_v.float().contiguous() if bias_v is not None else part_acc, out, splits),
+                   bias_v.contiguous() if bias_v is not None else part_acc, out, splits),
                   dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=max(16, _pow2(group)), RANGE=v_range,
                        CHUNK=max(16, min(_pow2(v_range), 8192 // head_dim)), HEAD_DIM=head_dim,
                        HAS_BIAS=bias_v is not None, PRECISION="ieee" if interpret else "tf32x3"))
