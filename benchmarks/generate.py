@@ -21,9 +21,10 @@ lrkv's paths run each plan twice: compiled as lrkv.compile does by default, and 
 
 Rows: path, batch, context, ms_per_step, tokens_per_s, cache_GiB, peak_GiB (torch.cuda.max_memory_allocated over
 the timed steps), compile_s (the first step's time less a timed step's, for compiled paths), kernel_calls_per_step
-(launches of the Triton decode path: one per layer when lrkv's "auto" picked it), and max_batch: the largest
-batch the device's memory would hold at this context, from the measured peak (weights and working set) and the
-cache's bytes per sequence (an estimate, not a run). QuantizedCache's cache_GiB is read from the cache after a
+(Python-level calls of the Triton decode path per timed step: one per layer where lrkv's "auto" picked it and no
+CUDA graph replays the step; under reduce-overhead only the warm-up and recording passes count), and max_batch:
+the largest batch the device's memory would hold at this context, from the measured peak (weights and working set)
+and the cache's bytes per sequence (an estimate, not a run: --batch runs one). QuantizedCache's cache_GiB is read from the cache after a
 step: the storage of its quantized tensors (packed codes, scales, zero points) and its residual. A path that cannot
 run (QuantizedCache without optimum-quanto, say) is a row with its `error`. Writes
 benchmarks/results/generate-<gpu>.json after each row (--only replaces those paths' rows and keeps the others);

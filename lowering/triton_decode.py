@@ -49,6 +49,11 @@ CANDIDATES = (DEFAULT, DEFAULT_HALVES,
               DecodeConfig(block_s=128, num_warps=4, num_stages=2),
               DecodeConfig(block_s=32, num_warps=4, num_stages=3, max_registers=128))
 FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
+# (block_s, num_warps) that fault over quantized latents: on an H100 (Triton 3.6) 64-slot tiles with 8 warps hit an
+# illegal memory access with the budget plan's codes (4-bit keys, 3-bit values; exact and windowed RoPE, 2 or 3
+# stages, with or without a register cap), which poisons the CUDA context; 16-bit latents at that geometry, and
+# codes at 16/32-slot tiles with 8 warps or 128-slot ones, read right. Refused, not launched
+BROKEN_WITH_CODES = {(64, 8)}
 WAVE_FILL = 0.9  # the least share of the last wave of programs the split of the slots accepts
 _BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)
 
@@ -307,12 +312,16 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed)
+    codes = k_bits != 16 or v_bits != 16
     if config is None:
-        config = default_config(half_keys, k_bits != 16 or v_bits != 16, values["CHUNK"], windowed)
+        config = default_config(half_keys, codes, values["CHUNK"], windowed)
+    if codes and (config.block_s, config.num_warps) in BROKEN_WITH_CODES:
+        raise NotImplementedError(f"block_s={config.block_s} with num_warps={config.num_warps} over quantized latents: "
+                                  "an illegal memory access on an H100 (Triton 3.6); take 4 warps, or 128-slot tiles")
     geometry_key = (device, tuple(constants.values()), config)
     if geometry_key not in _GEOMETRY:
         scratch = torch.empty(1, dtype=torch.float32, device=device)
-        bf16_codes = query.dtype == torch.bfloat16 and (k_bits != 16 or v_bits != 16) and not interpret
+        bf16_codes = query.dtype == torch.bfloat16 and codes and not interpret
         _GEOMETRY[geometry_key] = _geometry(kernel, arguments(2, scratch, scratch, scratch), constants, config,
                                             device, bf16_codes, interpret)
     launch, resident = _GEOMETRY[geometry_key]

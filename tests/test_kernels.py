@@ -287,6 +287,17 @@ def test_what_the_kernel_does_not_cover_raises_not_implemented(change, what):
         triton_decode.decode_attention(**kwargs)
 
 
+def test_a_geometry_that_faults_over_codes_is_refused_before_launch():
+    """64-slot tiles with 8 warps hit an illegal memory access over the budget plan's codes on an H100 (which
+    poisons the CUDA context): refused with a message naming the geometry, on every device; 16-bit latents run."""
+    config = triton_decode.DecodeConfig(block_s=64, num_warps=8, num_stages=3)
+    kwargs = build_case(**{**BASE, "length": 20})
+    assert kwargs["k_bits"] != 16 or kwargs["v_bits"] != 16
+    with pytest.raises(NotImplementedError, match="block_s=64 with num_warps=8"):
+        triton_decode.decode_attention_with(config, **kwargs)
+    check(build_case(**{**BASE, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0, "length": 20}), config)
+
+
 def _decode_logits(model, plan, cache, logits, steps, kernels):
     """Logits of `steps` greedy one-token steps from the prompt's last `logits` [batch, vocab], through `cache`
     (the model compiled with `kernels`)."""
