@@ -8,7 +8,7 @@ the head's block of `up_k` (accumulated and turned in float16 for float16 models
 positions and scores them against every query head of the KV head at once, transposed: scores [slots, G_PAD] =
 keys @ R(-p0)q, so the keys go from one product's accumulator into the next one's operand in registers. Online
 softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in latent space on tensor cores
-(for quantized value codes as C_vᵀ p, the latent context held transposed: VALUES_FIRST below). The
+(for packed value codes as C_vᵀ p, the latent context held transposed: VALUES_FIRST below). The
 tiles that hold exact sink or window copies run after the others in a loop of their own, so the main loop carries
 no branch for them. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software
 pipeline). This step's token comes from its exact latents last. Partial (max, sum, context) per split go
@@ -26,11 +26,13 @@ slot. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 roundi
 (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and correct that to
 first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
-VALUES_FIRST (quantized value codes): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD], the
-channels as the tensor-core product's rows (Hopper's warpgroup product from V_CHUNK 64 on), and the latent context
-is held transposed; the dequantized tile reaches the product in fewer shared-memory reads (budget 0.2 plan, packed
-codes, Llama-3-8B shape, 16K, batch 16, H200: 0.273 -> 0.251 ms windowed, 0.367 -> 0.332 ms exact). 16-bit latents
-keep pᵀ C_v: transposed, keep 0.25 windowed took 0.114 -> 0.195 ms.
+VALUES_FIRST (the launcher's choice: packed value codes on the GPU, every quantized value side under the
+interpreter): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD], the channels as the tensor-core
+product's rows (Hopper's warpgroup product from V_CHUNK 64 on), and the latent context is held transposed; the
+dequantized tile reaches the product in fewer shared-memory reads (budget 0.2 plan, packed codes, Llama-3-8B shape,
+16K, batch 16, H200: 0.273 -> 0.251 ms windowed, 0.367 -> 0.332 ms exact). 16-bit latents keep pᵀ C_v: transposed,
+keep 0.25 windowed took 0.114 -> 0.195 ms. Other codes keep it too: 8-bit value codes through C_vᵀ p in 64-slot
+tiles read NaN or fault on an H100 (Triton 3.6) behind 4-bit or 16-bit keys, where 32-slot tiles read right.
 """
 import triton
 import triton.language as tl
@@ -227,11 +229,12 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
                  V_PACKED: tl.constexpr,
                  HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
                  EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, FAR: tl.constexpr):
+                 KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, FAR: tl.constexpr,
+                 VALUES_FIRST: tl.constexpr):
     """One tile of slots t0.. (below cached_hi) into the online softmax state (m_i, sums, acc): keys [BLOCK_S,
     HEAD_DIM] rebuilt on tensor cores (c U + b, two halves), turned by R(δ) (δ the slot's offset from the tile's
     first position `start`), scored as keys @ [q1r; q2r] (R(-start)q, the G_PAD query columns), then acc += pᵀ C_v
-    (acc [G_PAD, V_CHUNK]; for quantized value codes acc += C_vᵀ p, acc [V_CHUNK, G_PAD]: VALUES_FIRST).
+    (acc [G_PAD, V_CHUNK]; VALUES_FIRST: acc += C_vᵀ p, acc [V_CHUNK, G_PAD]).
     ordered: the tile's positions are known to be start + δ (else each slot whose position is not turns on by the
     rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile).
     k_scale_ahead, k_zero_ahead: the key codes' scales and zero points, loaded a tile ahead (None: loaded here).
@@ -239,7 +242,6 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
     to the window's offset and taken into latent space by the launcher ([K_BLOCK_RANK, G_PAD] at far_row, the
     first chunk of it in registers as far_q), plus far_bias (their product with the key bias)."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
-    VALUES_FIRST: tl.constexpr = V_BITS != 16
     delta = tl.arange(0, BLOCK_S)
     slots = t0 + delta
     slot_ok = slots < cached_hi
@@ -325,8 +327,8 @@ def latent_decode_kernel(
         V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_PACKED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_S: tl.constexpr,
-        CHECK_BLOCK: tl.constexpr = 1024):
+        KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, VALUES_FIRST: tl.constexpr,
+        BLOCK_S: tl.constexpr, CHECK_BLOCK: tl.constexpr = 1024):
     """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
     [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
     which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
@@ -348,7 +350,6 @@ def latent_decode_kernel(
     cached_hi = tl.minimum(s_hi, last)
     HALF: tl.constexpr = HEAD_DIM // 2
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
-    VALUES_FIRST: tl.constexpr = V_BITS != 16  # see VALUES_FIRST in the module docstring
     d = tl.arange(0, HALF)
     g = tl.arange(0, G_PAD)
     g_ok = g < GROUP_HEADS
@@ -437,7 +438,7 @@ def latent_decode_kernel(
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
-                True)
+                True, VALUES_FIRST)
             k_scale, k_zero = next_scale, next_zero
     # the queries turned to the first position of the run's tiles that rebuild keys
     qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first + (rebuild_lo - run_lo), inv_freq_ptr, GROUP_HEADS,
@@ -488,7 +489,8 @@ def latent_decode_kernel(
             HALF, G_PAD,
             K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
             V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
-            HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S, False)
+            HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S, False,
+            VALUES_FIRST)
         if HAS_ROPE:
             if in_run:
                 qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
@@ -512,7 +514,7 @@ def latent_decode_kernel(
                 K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_PACKED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
-                False)
+                False, VALUES_FIRST)
     l_i = tl.sum(sums, 0)
     if (last >= s_lo) & (last < s_hi):  # this step's token, from its exact latents
         key1, key2 = _current_key(new_k_ptr, new_k_sb, up_k_ptr, up_k_sr, bias_k_ptr, pos_ptr, pos_sb,

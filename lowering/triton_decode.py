@@ -311,7 +311,10 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind,
         EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
-        KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed)
+        KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed,
+        # C_vᵀ p (latent_decode's VALUES_FIRST): packed value codes on the GPU; the interpreter takes it for every
+        # quantized value side, so the CPU tests check its math (other codes on the GPU: module docstring)
+        VALUES_FIRST=v["PACKED"] or (interpret and v_bits != 16))
     codes = k_bits != 16 or v_bits != 16
     if config is None:
         config = default_config(half_keys, codes, values["CHUNK"], windowed)

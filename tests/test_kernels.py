@@ -256,6 +256,18 @@ def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads,
     check(kwargs)
 
 
+@pytest.mark.parametrize("k_bits", [4, 16])
+@pytest.mark.parametrize("rope_window", [0, 100])
+def test_eight_bit_values_over_many_full_tiles_in_float16(rope_window, k_bits):
+    """8-bit value codes of rank 128 per head behind 4-bit or 16-bit keys, over enough slots that most tiles run in
+    the main loop (drawn cases are mostly edge tiles): through C_vᵀ p in 64-slot tiles these read NaN or faulted on
+    an H100, so the GPU takes pᵀ C_v for them; the interpreter checks C_vᵀ p's math."""
+    kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "k_blocks": 2, "v_blocks": 2,
+                           "k_block_rank": 64, "v_block_rank": 128, "k_bits": k_bits, "v_bits": 8, "length": 700,
+                           "rope_window": rope_window, "start_position": 3000})
+    check(kwargs)
+
+
 def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels_32_windowed():
     """The 168-register cap of DEFAULT_HALVES spills a program holding 128 value channels (16-bit keep-0.5 keys with
     full-rank values: 0.47 ms capped, 0.25 ms without the cap on an H200); codes and float32 keys never take it."""
