@@ -25,11 +25,21 @@ def _rope_types(module) -> list:
     return [rope_type] if isinstance(rope_type, str) else []
 
 
+def _update_wrapper(function):
+    """The `dynamic_rope_update` wrapper in `function`'s chain of decorators (followed through `__wrapped__`: some
+    models put `torch.no_grad()` outside it, Phi-3 on transformers 5.22 and 5.23), or None."""
+    while function is not None:
+        if getattr(function, "__code__", None) is _UPDATED:
+            return function
+        function = getattr(function, "__wrapped__", None)
+    return None
+
+
 def recomputes(module) -> bool:
     """Whether `module` is a rotary embedding whose forward recomputes its frequencies on each call (the
     conditions of transformers' `dynamic_rope_update`)."""
-    forward = getattr(type(module).forward, "__code__", None)
-    return forward is _UPDATED and any("dynamic" in kind or kind == "longrope" for kind in _rope_types(module))
+    return (_update_wrapper(getattr(type(module), "forward", None)) is not None
+            and any("dynamic" in kind or kind == "longrope" for kind in _rope_types(module)))
 
 
 def rows_width(model) -> int:
@@ -64,7 +74,7 @@ def one_graph(model, positions: torch.Tensor):
     for module in dynamic:
         with torch.no_grad():
             module(torch.zeros(1, dtype=reference.dtype, device=reference.device), positions.to(reference.device))
-        module.forward = MethodType(type(module).forward.__wrapped__, module)
+        module.forward = MethodType(_update_wrapper(type(module).forward).__wrapped__, module)
     try:
         yield
     finally:

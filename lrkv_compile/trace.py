@@ -58,7 +58,7 @@ def _untraceable(model, error) -> str:
     return (f"Dynamo cannot capture {type(model).__name__}.forward as one graph ({reason}), so lrkv cannot find or "
             f"rewrite its attention. Where the model's own code branches on a tensor's value, a newer transformers "
             f"may trace (this is {transformers.__version__}; OPT and models without RoPE trace from 5.20, dynamic-NTK "
-            f"and longrope RoPE from 5.24: README, 'Two commands')")
+            f"and longrope RoPE from 5.21: README, 'Two commands')")
 
 
 class _Captured(Exception):

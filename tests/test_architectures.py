@@ -164,6 +164,26 @@ def test_longrope_is_rewritten_with_each_tokens_rows():
     assert not torch.allclose(rows[1, 9, 0], torch.cos(9 * model.model.rotary_emb.original_inv_freq).repeat(2))
 
 
+def test_recomputing_rope_is_found_through_decorators_outside_transformers_update():
+    """On transformers 5.21-5.23 Phi-3's rotary forward has torch.no_grad() outside `dynamic_rope_update`: the
+    cache still stores cos/sin rows for longrope, and one_graph strips the update (whatever the version at hand)."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    from lrkv_compile import rotary
+
+    class Rotary(torch.nn.Module):
+        rope_type = "longrope"
+
+        @torch.no_grad()
+        @dynamic_rope_update
+        def forward(self, x, position_ids):
+            return position_ids
+
+    assert rotary.recomputes(Rotary())
+    assert not rotary.recomputes(type("Plain", (Rotary,), {"rope_type": "default"})())
+    assert rotary._update_wrapper(Rotary.forward).__wrapped__.__name__ == "forward"
+
+
 def test_sites_without_rope_score_in_latent_space(monkeypatch):
     """No RoPE and no key norm (OPT, GPT-2): q k^T = (q B_k^T) c^T + q b_k, so no key is ever rebuilt."""
     from lrkv_compile.lowering import reference
