@@ -26,13 +26,14 @@ slot. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 roundi
 (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and correct that to
 first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
-VALUES_FIRST (the launcher's choice: packed value codes on the GPU, every quantized value side under the
-interpreter): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD], the channels as the tensor-core
-product's rows (Hopper's warpgroup product from V_CHUNK 64 on), and the latent context is held transposed; the
-dequantized tile reaches the product in fewer shared-memory reads (budget 0.2 plan, packed codes, Llama-3-8B shape,
-16K, batch 16, H200: 0.273 -> 0.251 ms windowed, 0.367 -> 0.332 ms exact). 16-bit latents keep pᵀ C_v: transposed,
-keep 0.25 windowed took 0.114 -> 0.195 ms. Other codes keep it too: 8-bit value codes through C_vᵀ p in 64-slot
-tiles read NaN or fault on an H100 (Triton 3.6) behind 4-bit or 16-bit keys, where 32-slot tiles read right.
+VALUES_FIRST (the launcher's choice, `triton_decode.values_first`: packed value codes on the GPU, the layouts a
+float16 GPU would pack under the interpreter): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD],
+the channels as the tensor-core product's rows (Hopper's warpgroup product from V_CHUNK 64 on), and the latent
+context is held transposed; the dequantized tile reaches the product in fewer shared-memory reads (budget 0.2 plan,
+packed codes, Llama-3-8B shape, 16K, batch 16, H200: 0.273 -> 0.251 ms windowed, 0.367 -> 0.332 ms exact). 16-bit
+latents keep pᵀ C_v: transposed, keep 0.25 windowed took 0.114 -> 0.195 ms. Other codes keep it too: 8-bit value
+codes through C_vᵀ p in 64-slot tiles read NaN or fault on an H100 (Triton 3.6) behind 4-bit or 16-bit keys, where
+32-slot tiles read right.
 """
 import triton
 import triton.language as tl

@@ -158,7 +158,7 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     dummy = latent
     side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new.reshape(new.shape[0], rank).contiguous(),
                 width=rank, sinks=0, window=0, BITS=bits, GROUP=1, FAST=False, EXACT=False, CHANNEL=False,
-                OUTLIERS=0, PACKED=False, BLOCK_RANK=block_rank, CHUNK=chunk)
+                OUTLIERS=0, PACKED=False, PACKS=False, BLOCK_RANK=block_rank, CHUNK=chunk)
     if latent.stride(-1) != 1:
         raise NotImplementedError(f"latent_{name} has a non-contiguous last axis")
     if bits == 16:
@@ -180,16 +180,24 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     # whole int32 words per group (8 codes at 4 bits, 32 in three words at 3) on 4-byte aligned rows; at 3 bits
     # each chunk starts a multiple of its size in (and the rank is a multiple of it), so its blocks lie in one unit
     # of `quantize.three_bit_order` (packed_tile)
-    packed = (halves and fast and bits in (3, 4) and group % (8 if bits == 4 else 32) == 0 and chunk % 32 == 0
-              and (bits == 4 or block_rank % chunk == 0)
-              and latent.stride(0) % 4 == 0 and latent.stride(1) % 4 == 0 and latent.data_ptr() % 4 == 0)
+    packs = (fast and bits in (3, 4) and group % (8 if bits == 4 else 32) == 0 and chunk % 32 == 0
+             and (bits == 4 or block_rank % chunk == 0)
+             and latent.stride(0) % 4 == 0 and latent.stride(1) % 4 == 0 and latent.data_ptr() % 4 == 0)
     side.update(scale=scale, zero=zero, width=latent.shape[-1], GROUP=group, FAST=fast, CHANNEL=channel,
-                OUTLIERS=outliers, PACKED=packed, CHUNK=chunk)
+                OUTLIERS=outliers, PACKED=halves and packs, PACKS=packs, CHUNK=chunk)
     if exact.numel():
         if exact.stride(-1) != 1:
             raise NotImplementedError(f"{name}_exact has a non-contiguous last axis")
         side.update(exact=exact, sinks=sinks, window=exact.shape[1] - sinks, EXACT=True)
     return side
+
+
+def values_first(values: dict, interpret: bool) -> bool:
+    """Whether the kernel takes the value product transposed, C_vᵀ p (latent_decode's VALUES_FIRST), for this value
+    side (`_side`): for packed codes on the GPU (3 and 4 bits in float16 models); under the interpreter, which never
+    packs, for the layouts a float16 GPU would pack, so the CPU tests meet both value products over codes. Other
+    codes through C_vᵀ p read NaN or faulted on an H100 (8-bit values in 64-slot tiles, Triton 3.6)."""
+    return values["PACKED"] or (interpret and values["PACKS"])
 
 
 def check_inputs(query, num_kv_heads, inv_freq, kernel: str) -> bool:
@@ -312,15 +320,14 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed,
-        # C_vᵀ p (latent_decode's VALUES_FIRST): packed value codes on the GPU; the interpreter takes it for every
-        # quantized value side, so the CPU tests check its math (other codes on the GPU: module docstring)
-        VALUES_FIRST=v["PACKED"] or (interpret and v_bits != 16))
+        VALUES_FIRST=values_first(v, interpret))
     codes = k_bits != 16 or v_bits != 16
     if config is None:
         config = default_config(half_keys, codes, values["CHUNK"], windowed)
     if codes and (config.block_s, config.num_warps) in BROKEN_WITH_CODES:
         raise NotImplementedError(f"block_s={config.block_s} with num_warps={config.num_warps} over quantized latents: "
-                                  "an illegal memory access on an H100 (Triton 3.6); take 4 warps, or 128-slot tiles")
+                                  "an illegal memory access on an H100 (Triton 3.6); take 4 warps, or tiles of 16, "
+                                  "32 or 128 slots")
     geometry_key = (device, tuple(constants.values()), config)
     if geometry_key not in _GEOMETRY:
         scratch = torch.empty(1, dtype=torch.float32, device=device)

@@ -27,10 +27,12 @@ def _rope_types(module) -> list:
 
 def _update_wrapper(function):
     """The `dynamic_rope_update` wrapper in `function`'s chain of decorators (followed through `__wrapped__`: some
-    models put `torch.no_grad()` outside it, Phi-3 on transformers 5.22 and 5.23), or None."""
-    while function is not None:
+    models put `torch.no_grad()` outside it, Phi-3 on transformers 5.21-5.23), or None."""
+    seen = set()
+    while function is not None and id(function) not in seen:
         if getattr(function, "__code__", None) is _UPDATED:
             return function
+        seen.add(id(function))
         function = getattr(function, "__wrapped__", None)
     return None
 

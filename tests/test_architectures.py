@@ -165,8 +165,9 @@ def test_longrope_is_rewritten_with_each_tokens_rows():
 
 
 def test_recomputing_rope_is_found_through_decorators_outside_transformers_update():
-    """On transformers 5.21-5.23 Phi-3's rotary forward has torch.no_grad() outside `dynamic_rope_update`: the
-    cache still stores cos/sin rows for longrope, and one_graph strips the update (whatever the version at hand)."""
+    """On transformers 5.21-5.23 Phi-3's rotary forward has torch.no_grad() outside `dynamic_rope_update`: lrkv
+    still finds that longrope recomputes its frequencies (so the cache stores cos/sin rows), and the function
+    one_graph traces in its place is the undecorated forward (whatever the version at hand)."""
     from transformers.modeling_rope_utils import dynamic_rope_update
 
     from lrkv_compile import rotary
@@ -181,7 +182,8 @@ def test_recomputing_rope_is_found_through_decorators_outside_transformers_updat
 
     assert rotary.recomputes(Rotary())
     assert not rotary.recomputes(type("Plain", (Rotary,), {"rope_type": "default"})())
-    assert rotary._update_wrapper(Rotary.forward).__wrapped__.__name__ == "forward"
+    inner = rotary._update_wrapper(Rotary.forward).__wrapped__
+    assert inner.__code__ is not rotary._UPDATED and not hasattr(inner, "__wrapped__")
 
 
 def test_sites_without_rope_score_in_latent_space(monkeypatch):

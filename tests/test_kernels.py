@@ -270,11 +270,28 @@ def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads,
 def test_eight_bit_values_over_many_full_tiles_in_float16(rope_window, k_bits):
     """8-bit value codes of rank 128 per head behind 4-bit or 16-bit keys, over enough slots that most tiles run in
     the main loop (drawn cases are mostly edge tiles): through C_vᵀ p in 64-slot tiles these read NaN or faulted on
-    an H100, so the GPU takes pᵀ C_v for them; the interpreter checks C_vᵀ p's math."""
+    an H100, so they take pᵀ C_v (`triton_decode.values_first`)."""
     kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "k_blocks": 2, "v_blocks": 2,
                            "k_block_rank": 64, "v_block_rank": 128, "k_bits": k_bits, "v_bits": 8, "length": 700,
                            "rope_window": rope_window, "start_position": 3000})
     check(kwargs)
+
+
+@pytest.mark.parametrize("v_bits, gpu, interpreter", [(3, True, True), (4, True, True), (8, False, False),
+                                                      (2, False, False)])
+def test_the_transposed_value_product_is_taken_for_packed_codes_only(v_bits, gpu, interpreter):
+    """C_vᵀ p (VALUES_FIRST) for 3- and 4-bit codes that a float16 model packs on the GPU, and for the same layouts
+    under the interpreter (which never packs), so the CPU tests meet both value products over codes; 8-bit values
+    through it read NaN on an H100, 2-bit ones never took it there."""
+    kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "v_block_rank": 128, "v_bits": v_bits,
+                           "length": 20})
+    def side(halves):
+        return triton_decode._side("v", kwargs["latent_v"], kwargs["v_scale"], kwargs["v_zero"], kwargs["v_exact"],
+                                   kwargs["new_v"], v_bits, kwargs["v_group"], kwargs["v_sinks"], kwargs["v_axis"],
+                                   kwargs["v_outliers"], 2, halves)
+    assert triton_decode.values_first(side(halves=True), interpret=False) is gpu
+    assert triton_decode.values_first(side(halves=False), interpret=True) is interpreter
+    assert not triton_decode.values_first(side(halves=False), interpret=False)  # bfloat16 / float32 on the GPU
 
 
 def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels_32_windowed():
