@@ -24,8 +24,9 @@ the timed steps), compile_s (the first step's time less a timed step's, for comp
 (Python-level calls of the Triton decode path per timed step: one per layer where lrkv's "auto" picked it and no
 CUDA graph replays the step; under reduce-overhead only the warm-up and recording passes count), and max_batch:
 the largest batch the device's memory would hold at this context, from the measured peak (weights and working set)
-and the cache's bytes per sequence (an estimate, not a run: --batch runs one). QuantizedCache's cache_GiB is read from the cache after a
-step: the storage of its quantized tensors (packed codes, scales, zero points) and its residual. A path that cannot
+and the cache's bytes per sequence (an estimate, not a run: --batch runs one). QuantizedCache's cache_GiB is read
+from the cache after a step: the storage of its quantized tensors (packed codes, scales, zero points) and its
+residual. A path that cannot
 run (QuantizedCache without optimum-quanto, say) is a row with its `error`. Writes
 benchmarks/results/generate-<gpu>.json after each row (--only replaces those paths' rows and keeps the others);
 never asserts timings.

@@ -9,6 +9,7 @@ wrote it, so a LatentCache of such a model stores each token's cos/sin rows (`ro
 Dynamic NTK also decides in Python, from a tensor, whether to recompute: Dynamo breaks the graph there, and the
 decoder layers get cos/sin as inputs of a graph of their own.
 """
+import inspect
 from contextlib import contextmanager
 from types import MethodType
 
@@ -25,16 +26,17 @@ def _rope_types(module) -> list:
     return [rope_type] if isinstance(rope_type, str) else []
 
 
+def _is_update(function) -> bool:
+    return getattr(function, "__code__", None) is _UPDATED
+
+
 def _update_wrapper(function):
-    """The `dynamic_rope_update` wrapper in `function`'s chain of decorators (followed through `__wrapped__`: some
-    models put `torch.no_grad()` outside it, Phi-3 on transformers 5.21-5.23), or None."""
-    seen = set()
-    while function is not None and id(function) not in seen:
-        if getattr(function, "__code__", None) is _UPDATED:
-            return function
-        seen.add(id(function))
-        function = getattr(function, "__wrapped__", None)
-    return None
+    """The `dynamic_rope_update` wrapper in `function`'s chain of decorators (inspect.unwrap's `__wrapped__` chain:
+    some models put `torch.no_grad()` outside it, Phi-3 on transformers 5.21-5.23), or None."""
+    if function is None:
+        return None
+    found = inspect.unwrap(function, stop=_is_update)
+    return found if _is_update(found) else None
 
 
 def recomputes(module) -> bool:
