@@ -325,13 +325,15 @@ def test_what_the_kernel_does_not_cover_raises_not_implemented(change, what):
         triton_decode.decode_attention(**kwargs)
 
 
-def test_a_geometry_that_faults_over_codes_is_refused_before_launch():
-    """64-slot tiles with 8 warps hit an illegal memory access over the budget plan's codes on an H100 (which
-    poisons the CUDA context): refused with a message naming the geometry, on every device; 16-bit latents run."""
-    config = triton_decode.DecodeConfig(block_s=64, num_warps=8, num_stages=3)
+@pytest.mark.parametrize("block_s", [64, 128])
+def test_eight_warps_over_codes_are_refused_before_launch(block_s):
+    """8 warps over the budget plan's codes read wrong (128-slot tiles, windowed RoPE) or hit an illegal memory
+    access (64-slot tiles, which poisons the CUDA context) on an H100: refused with a message naming the warps, on
+    every device; 16-bit latents run."""
+    config = triton_decode.DecodeConfig(block_s=block_s, num_warps=8, num_stages=3)
     kwargs = build_case(**{**BASE, "length": 20})
     assert kwargs["k_bits"] != 16 or kwargs["v_bits"] != 16
-    with pytest.raises(NotImplementedError, match="block_s=64 with num_warps=8"):
+    with pytest.raises(NotImplementedError, match="num_warps=8 over quantized latents"):
         triton_decode.decode_attention_with(config, **kwargs)
     check(build_case(**{**BASE, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0, "length": 20}), config)
 
