@@ -251,6 +251,18 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rope_window, edge", [(1, "every slot far"), (4, "far slots fill whole tiles"),
+                                               (2, "the last tile, partial, across the edge")])
+def test_windowed_rope_where_the_window_edge_falls(dtype, rope_window, edge):
+    """100 tokens in 16-slot tiles, positions running on: the window's edge where no slot is near, on a tile boundary
+    (no tile across it), and inside the last tile, which holds fewer than 16 slots (the tile across the edge goes
+    with the edge tiles and the loop of near tiles after it is empty), whatever the splits."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "sinks": 0, "window": 0, "mask": "none", "padding": False,
+                           "length": 100, "rope_window": rope_window, "start_position": 3000})
+    check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
+
+
 @pytest.mark.parametrize("kv_heads, v_block_rank", [(2, 128), (3, 64), (3, 32)])
 @pytest.mark.parametrize("rope_window", [0, 100])
 def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads, v_block_rank):
