@@ -290,13 +290,15 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
 
 
 @triton.jit
-def _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexpr, GROUP: tl.constexpr,
+def _read_tile(side, b, first, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexpr, GROUP: tl.constexpr,
                FAST: tl.constexpr, CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr,
                BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None,
-               zero=None):
+               zero=None, desc=None):
     """The cache's latents [BLOCK_S, CHUNK] of `slots` (columns `ch`) in DTYPE: 16-bit, or codes dequantized."""
     lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, _, _, _, width, _, _ = side  # see latent_tile
-    if BITS == 16:
+    if desc is not None:  # a whole tile of 16-bit latents, by the tensor memory accelerator (see latent_tile)
+        values = tl.reshape(desc.load([b, first, ch0]), (BLOCK_S, CHUNK)).to(DTYPE)
+    elif BITS == 16:
         at = lat_ptr + b * lat_sb + slots[:, None] * lat_ss + ch[None, :]
         if EVEN:
             values = tl.load(at, mask=slot_ok[:, None], other=0.0).to(DTYPE)
@@ -319,7 +321,7 @@ def _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexp
 def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
                 BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
                 CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None):
+                DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None, desc=None):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
     reference reads them: dequantized codes, or the exact copy where the cache holds one.
     side: one side of the cache as the kernels bundle their arguments: (latents, their batch and slot strides,
@@ -328,7 +330,10 @@ def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
     FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). PACKED: float16
     latents from int32 words (packed_tile), columns in packed_order; scale, zero: its groups' scales and zero
     points where the caller loaded them ahead (packed_scales). EVEN: every channel of the chunk is below
-    ch_hi, so only the slots are masked and the loads stay wide.
+    ch_hi, so only the slots are masked and the loads stay wide. desc: 16-bit latents as a tensor descriptor
+    [batch, slots, width] with blocks [1, BLOCK_S, CHUNK], for a tile whose slots `first`.. are all below the
+    caller's bound and whose channels are all below ch_hi: loaded whole into shared memory by the tensor memory
+    accelerator, unmasked (None: pointer loads).
     A tile holding exact copies (sinks, window) reads its codes again inside its branch, for the slots it does not
     hold: the tiles without any then take the codes straight into the layout their dot wants."""
     if PACKED:
@@ -336,8 +341,8 @@ def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
     else:
         ch = ch0 + tl.arange(0, CHUNK)
     ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
-    values = _read_tile(side, b, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST, CHANNEL, OUTLIERS, CHUNK,
-                        BLOCK_S, DTYPE, EVEN, PACKED, scale, zero)
+    values = _read_tile(side, b, first, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST, CHANNEL, OUTLIERS,
+                        CHUNK, BLOCK_S, DTYPE, EVEN, PACKED, scale, zero, desc)
     if EXACT:
         _, _, _, _, _, _, _, exact_ptr, ex_sb, ex_ss, _, sinks, window = side
         if (first < sinks) | (first + BLOCK_S > length - 1 - window):
@@ -346,7 +351,7 @@ def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
             entry = tl.where(in_window, sinks + slots % tl.maximum(window, 1), slots)
             at = exact_ptr + b * ex_sb + entry[:, None] * ex_ss + ch[None, :]
             exact = tl.load(at, mask=held[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
-            coded = _read_tile(side, b, slots, slot_ok & ~held, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST, CHANNEL,
-                               OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED)
+            coded = _read_tile(side, b, first, slots, slot_ok & ~held, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST,
+                               CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED)
             values = tl.where(held[:, None], exact, coded)
     return values

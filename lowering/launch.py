@@ -13,6 +13,7 @@ plain launch.
 import os
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _COMPILED = {}  # (kernel, device, constants, key of the arguments) -> (compiled kernel, trailing constexprs)
 
@@ -21,8 +22,8 @@ def _specialization(args):
     """A key of these arguments at least as fine as what Triton compiles a kernel for: a tensor's dtype and address
     modulo 256 (Triton specializes on a multiple of 16), an integer's value (Triton specializes 1 and multiples of
     16, and picks the integer type by range), a bool's value apart from the integers', a float's type (Triton never
-    specializes on its value), None. None for arguments of any other kind (tuples, constexprs): those launches stay
-    Triton's."""
+    specializes on its value), None, a tensor descriptor's dtype and block (its shape and strides are values at
+    launch). None for arguments of any other kind (tuples, constexprs): those launches stay Triton's."""
     key = []
     for value in args:
         if isinstance(value, torch.Tensor):
@@ -33,6 +34,8 @@ def _specialization(args):
             key.append(value)
         elif isinstance(value, float):
             key.append(float)
+        elif isinstance(value, TensorDescriptor):
+            key.append((TensorDescriptor, value.base.dtype, tuple(value.block_shape), value.padding))
         else:
             return None
     return tuple(key)

@@ -1,5 +1,6 @@
 """The Triton decode attention kernel against `reference.latent_attention`, on caches written by the reference write
 op (the real byte layout), over drawn shapes. Runs on CUDA when present, else on CPU under Triton's interpreter."""
+import dataclasses
 import os
 
 import pytest
@@ -261,6 +262,36 @@ def test_windowed_rope_where_the_window_edge_falls(dtype, rope_window, edge):
     kwargs = build_case(**{**BASE, "dtype": dtype, "sinks": 0, "window": 0, "mask": "none", "padding": False,
                            "length": 100, "rope_window": rope_window, "start_position": 3000})
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("length, rope_window", [(219, 40), (219, 1), (75, 1)])
+def test_far_tiles_of_16_bit_latents_through_the_tensor_memory_accelerator(dtype, length, rope_window, monkeypatch):
+    """16-bit head-wise latents, windowed RoPE: the whole far tiles come by tensor descriptors (unmasked whole tiles),
+    a last partial tile goes with the edge tiles; the reference's result, as through pointer loads, whether the
+    far tiles end before the run's end or at it (every slot far: the partial last tile then follows them), over
+    several splits (16-slot tiles) and in one."""
+    taken = []
+    made = triton_decode.tile_descriptor
+    monkeypatch.setattr(triton_decode, "tile_descriptor",
+                        lambda side, block_s, interpret: taken.append(made(side, block_s, interpret)) or taken[-1])
+    kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "v_block_rank": 32, "sinks": 0,
+                           "window": 0, "mask": "none", "padding": False, "length": length, "spare": 20,
+                           "rope_window": rope_window, "start_position": 4000})
+    for name in ("latent_k", "latent_v"):  # slots past the length, in the tiles the descriptor would load whole
+        kwargs[name][:, length:] = float("nan")
+    for block_s in (16, 64):
+        config = triton_decode.DecodeConfig(block_s=block_s, num_warps=4, num_stages=1)
+        check(kwargs, config)
+        check(kwargs, dataclasses.replace(config, tma=False))
+    assert taken and all(descriptor is not None for descriptor in taken)
+    # latents off 16 bytes (a view one channel in) go through pointers
+    latent = kwargs["latent_k"]
+    kwargs["latent_k"] = torch.zeros(*latent.shape[:2], latent.shape[2] + 1, dtype=dtype, device=DEVICE)[..., 1:]
+    kwargs["latent_k"].copy_(latent)
+    taken.clear()
+    check(kwargs)
+    assert taken[0] is None and taken[1] is not None
 
 
 @pytest.mark.parametrize("kv_heads, v_block_rank", [(2, 128), (3, 64), (3, 32)])

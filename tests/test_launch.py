@@ -91,3 +91,20 @@ def test_the_interpreter_keeps_the_triton_launch(monkeypatch):
     for _ in range(2):
         launch.launch(kernel, (1,), (x, 32, 0.5), dict(BLOCK=16))
     assert [entry[0] for entry in kernel.launches] == ["jit"] * 2
+
+
+def test_tensor_descriptors_launch_directly_and_a_new_block_goes_through_triton_again():
+    """A tensor descriptor's dtype and block are compiled in (its shape and strides are values at launch): the same
+    block over another tensor launches the compiled kernel, a new block or dtype goes through Triton."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def descriptor(tensor, block):
+        return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
+
+    kernel = Kernel()
+    x, y = torch.zeros(2, 64, 32, dtype=torch.float16), torch.zeros(4, 128, 32, dtype=torch.float16)
+    for args in [(descriptor(x, [1, 16, 32]), 1, 0.5), (descriptor(y, [1, 16, 32]), 1, 0.5),
+                 (descriptor(y, [1, 64, 32]), 1, 0.5), (descriptor(y.float(), [1, 64, 32]), 1, 0.5),
+                 (None, 1, 0.5), (None, 1, 0.5)]:
+        launch.launch(kernel, (1,), args, dict(BLOCK=16))
+    assert [entry[0] for entry in kernel.launches] == ["jit", "direct", "jit", "jit", "jit", "direct"]
