@@ -12,9 +12,10 @@ softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in
 hold exact sink or window copies, those before the run of consecutive positions below and, with windowed RoPE, the
 tile across the window's edge run after the others in a loop of their own, so the main loops carry no branch for
 them (one loop holding both kinds of tile took 0.147 ms where the two take 0.130: keep 0.25, Llama-3-8B shape, 16K,
-batch 16, H100). Windowed RoPE's far tiles of 16-bit latents come whole, unmasked, by the tensor memory
-accelerator where the launcher passes tensor descriptors (a last tile that is not whole then goes to the edge loop) (k_desc, v_desc; 2-5% faster there on an H100, while the tiles whose keys are rebuilt were slower that
-way). Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software pipeline). This
+batch 16, H100). Windowed RoPE's far tiles of unquantized (16-bit) latents come whole and unmasked by the tensor
+memory accelerator where the launcher passes tensor descriptors, k_desc and v_desc: 2-5% faster there on an H100,
+while the tiles whose keys are rebuilt were slower that way. A last tile that is not whole then goes to the edge
+loop. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software pipeline). This
 step's token comes from its exact latents last. Partial (max, sum, context) per split go to small buffers
 [batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes them through B_v in the
 same launch (`combine_splits_kernel` where the output projection absorbed B_v).

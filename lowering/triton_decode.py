@@ -198,9 +198,9 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
 
 
 def _tma_able(side: dict, interpret: bool) -> bool:
-    """Whether the tensor memory accelerator can read this side's tiles: 16-bit latents [batch, slots, width] on
-    Hopper or later (or the interpreter), whose chunks never overrun the block's channels (its loads are unmasked),
-    address and strides multiples of 16 bytes."""
+    """Whether the tensor memory accelerator can read this side's tiles: unquantized (16-bit) latents in the model's
+    dtype, [batch, slots, width], on Hopper or later (or the interpreter), whose chunks never overrun the block's
+    channels (its loads are unmasked), address and strides multiples of 16 bytes."""
     latent = side["latent"]
     if side["BITS"] != 16 or side["BLOCK_RANK"] % side["CHUNK"] or latent.dim() != 3:
         return False
