@@ -4,28 +4,38 @@ measured in the same run. Llama-2-7B (32 x 128, MHA) and Llama-3-8B (32 query / 
 layer; random orthonormal factors; caches written by the reference write op (the real layout).
 
     python benchmarks/attention.py [--sweep] [--only llama3-8b] [--out benchmarks/results]
+    python benchmarks/attention.py --tiny [--sweep]   # the logic on CPU under Triton's interpreter (times mean nothing)
 
 Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
 the full fp16 cache over the bytes lrkv reads: latents, scales and zero points, positions), lrkv_TBps (bytes lrkv
 reads over its time), copy_TBps, rope_window (the "w1024" plans: windowed RoPE beyond 1024 tokens, whose far
 slots score against their latents without rebuilding keys). The issue's target at context >= 16K: speedup >= 0.85 x bytes_ratio for 16-bit
 plans, >= 0.8 x for the budget plan. --sweep first times launch geometries at 16K and uses the fastest per plan.
-Writes benchmarks/results/attention-<gpu>.json; never asserts timings.
+Writes benchmarks/results/attention-<gpu>.json; never asserts timings. --tiny runs every plan at a tiny shape on CPU
+under Triton's interpreter, each row checked against the reference op, windowed plans at a window that leaves far
+tiles (TINY_WINDOW), and writes nothing.
 """
 import argparse
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import re
+import sys
+import time
 
-import torch
-import torch.nn.functional as F
-from triton.testing import do_bench, do_bench_cudagraph
+if "--tiny" in sys.argv:  # before Triton is imported: its kernels are interpreted from their definition on
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from lrkv_compile.lowering import reference
-from lrkv_compile.lowering.quantize import exact_dtype, packed_width
-from lrkv_compile.lowering.triton_decode import CANDIDATES, channel_chunk, decode_attention_with, default_config
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from lrkv_compile.lowering import reference  # noqa: E402
+from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
+from lrkv_compile.lowering.triton_decode import (CANDIDATES, channel_chunk, decode_attention_with,  # noqa: E402
+                                                 default_config)
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
 SETTINGS = [(16, 4096), (16, 16384), (4, 65536)]
@@ -42,6 +52,9 @@ PLANS = [  # scheme, keep of K and V channels, bits, quantization group, exact s
     dict(plan="joint keep 0.5", scheme="joint", keep_k=0.5, keep_v=0.5, k_bits=16, v_bits=16, group=0, sinks=0),
     dict(plan="joint keep 0.25", scheme="joint", keep_k=0.25, keep_v=0.25, k_bits=16, v_bits=16, group=0, sinks=0),
 ]
+TINY_SHAPE = dict(heads=4, kv_heads=2, head_dim=32)  # --tiny (and the prefill benchmark's)
+TINY_SETTINGS = [(2, 200)]
+TINY_WINDOW = 48  # --tiny's windowed RoPE: 1024 would leave no far slot in 200
 JOINT_TFLOP_LIMIT = 5.0  # joint keys are rebuilt from every latent channel per KV head: skip rows beyond this
 
 
@@ -115,10 +128,14 @@ def joint_tflop(shape, plan, batch, context):
     return (batch * shape["kv_heads"] * math.ceil(rank_v / 128) * context * 2 * rank_k * shape["head_dim"]) / 1e12
 
 
-def time_ms(fn):
+def time_ms(fn, device=torch.device("cuda")):
     """Median milliseconds of fn on the GPU: replayed from a CUDA graph (launch overheads out, as a decode step
-    captured in a graph runs), or timed launch by launch where capture fails."""
+    captured in a graph runs), or timed launch by launch where capture fails; one call's on CPU."""
     fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     try:
         return do_bench_cudagraph(fn, rep=100, return_mode="median")
     except RuntimeError:
@@ -126,9 +143,12 @@ def time_ms(fn):
 
 
 def copy_tbps(device):
-    """Device-to-device copy bandwidth, bytes read plus written: one 1 GiB copy, timed launch by launch."""
-    source = torch.randn(1 << 29, dtype=torch.float16, device=device)
+    """Device-to-device copy bandwidth, bytes read plus written: one 1 GiB copy, timed launch by launch (on CPU one
+    copy of 64 MiB)."""
+    source = torch.randn(1 << (29 if device.type == "cuda" else 25), dtype=torch.float16, device=device)
     target = torch.empty_like(source)
+    if device.type != "cuda":
+        return 2 * source.numel() * 2 / time_ms(lambda: target.copy_(source), device) / 1e9
     return 2 * source.numel() * 2 / do_bench(lambda: target.copy_(source), warmup=25, rep=100,
                                              return_mode="median") / 1e9
 
@@ -137,7 +157,7 @@ def sdpa_ms(shape, batch, context, device):
     query = torch.randn(batch, shape["heads"], 1, shape["head_dim"], dtype=torch.float16, device=device)
     keys, values = (torch.randn(batch, shape["kv_heads"], context, shape["head_dim"], dtype=torch.float16,
                                 device=device) for _ in range(2))
-    elapsed = time_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+    elapsed = time_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True), device)
     return elapsed, 2 * keys.numel() * 2
 
 
@@ -161,7 +181,8 @@ def sweep(kwargs):
     results = []
     for candidate in CANDIDATES:
         try:
-            results.append((time_ms(lambda: decode_attention_with(candidate, **kwargs)), candidate))
+            results.append((time_ms(lambda: decode_attention_with(candidate, **kwargs), kwargs["query"].device),
+                            candidate))
         except Exception as error:  # a geometry the compiler rejects is reported, not fatal
             print(f"  {candidate}: {type(error).__name__}: {str(error)[:200]}")
     results.sort(key=lambda item: item[0])
@@ -174,19 +195,26 @@ def main():
     parser.add_argument("--only", nargs="*", default=list(SHAPES), help="shapes to run")
     parser.add_argument("--plans", nargs="*", default=[plan["plan"] for plan in PLANS])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under Triton's interpreter")
     args = parser.parse_args()
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
+    plans = [plan for plan in PLANS if plan["plan"] in args.plans]
+    if args.tiny:
+        device, gpu, shapes, settings = torch.device("cpu"), "cpu", {"tiny": TINY_SHAPE}, TINY_SETTINGS
+        plans = [{**plan, "rope_window": TINY_WINDOW} if plan.get("rope_window") else plan for plan in plans]
+    else:
+        device = torch.device("cuda")
+        gpu = torch.cuda.get_device_name(device)
+        shapes, settings = {name: SHAPES[name] for name in args.only}, SETTINGS
     copy = copy_tbps(device)
     print(f"{gpu}: device-to-device copy {copy:.2f} TB/s")
-    plans = [plan for plan in PLANS if plan["plan"] in args.plans]
+    sweep_at = settings[0] if args.tiny else (16, 16384)
     chosen, sweeps = {}, []
     if args.sweep:
-        for name in args.only:
+        for name, shape in shapes.items():
             for plan in plans:
                 if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5" or plan.get("rope_window"):
                     continue  # keep 0.5 takes keep 0.25's geometry, a windowed plan its exact one's
-                kwargs, _ = build(SHAPES[name], plan, 16, 16384, device)
+                kwargs, _ = build(shape, plan, *sweep_at, device)
                 results = sweep(kwargs)
                 chosen[(name, plan["plan"])] = chosen[(name, plan["plan"] + " w1024")] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
@@ -197,11 +225,11 @@ def main():
                 sweeps.append(dict(shape=name, plan=plan["plan"], results=[
                     dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))
                 del kwargs
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     rows, skipped = [], []
-    for name in args.only:
-        shape = SHAPES[name]
-        for batch, context in SETTINGS:
+    for name, shape in shapes.items():
+        for batch, context in settings:
             full_ms, full_bytes = sdpa_ms(shape, batch, context, device)
             for plan in plans:
                 where = f"{name} batch {batch} context {context} {plan['plan']}"
@@ -209,7 +237,7 @@ def main():
                     skipped.append(f"{where}: joint keys need {joint_tflop(shape, plan, batch, context):.0f} TFLOP "
                                    f"of rebuild (> {JOINT_TFLOP_LIMIT:g})")
                     continue
-                free, _ = torch.cuda.mem_get_info(device)
+                free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
                 if full_bytes * 3 > free:
                     skipped.append(f"{where}: needs about {full_bytes * 3 / 2**30:.0f} GiB, {free / 2**30:.0f} free")
                     continue
@@ -218,7 +246,7 @@ def main():
                 value_chunk = channel_chunk(int(plan["keep_v"] * shape["head_dim"]))
                 config = chosen.get((name, plan["plan"])) or default_config(plan["scheme"] == "head", quantized,
                                                                             value_chunk, bool(plan.get("rope_window")))
-                lrkv = time_ms(lambda: decode_attention_with(config, **kwargs))
+                lrkv = time_ms(lambda: decode_attention_with(config, **kwargs), device)
                 error = None
                 if batch * context <= 16 * 4096:  # checked against the reference op where it fits
                     expected = reference.latent_attention(**kwargs).float()
@@ -236,10 +264,14 @@ def main():
                     sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),
                     target=round(factor_target * ratio, 3) if context >= 16384 and plan["scheme"] == "head" else None,
                     relative_error=error, config=dataclasses.asdict(config)))
-                write(args.out, gpu, copy, rows, skipped, sweeps)
-                print(" ".join(f"{k}={v}" for k, v in rows[-1].items() if k != "config"), flush=True)
+                if args.tiny:
+                    print(json.dumps(rows[-1]), flush=True)
+                else:  # rewritten after every row, so an interrupted run keeps what it measured
+                    write(args.out, gpu, copy, rows, skipped, sweeps)
+                    print(" ".join(f"{k}={v}" for k, v in rows[-1].items() if k != "config"), flush=True)
                 del kwargs
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     print(f"\n{'shape':10} {'batch':>5} {'context':>7} {'plan':16} {'bits':6} {'lrkv_ms':>8} {'sdpa_ms':>8} "
           f"{'speedup':>7} {'bytes_ratio':>11} {'target':>6} {'lrkv_TBps':>9} {'copy_TBps':>9}")
     for row in rows:
@@ -249,7 +281,8 @@ def main():
               f"{target:>6} {row['lrkv_TBps']:>9.2f} {row['copy_TBps']:>9.2f}")
     for line in skipped:
         print("skipped:", line)
-    print(f"wrote {write(args.out, gpu, copy, rows, skipped, sweeps)}")
+    if not args.tiny:
+        print(f"wrote {write(args.out, gpu, copy, rows, skipped, sweeps)}")
 
 
 def results_path(folder, benchmark, gpu):

@@ -40,7 +40,6 @@ from lrkv_compile.lowering.triton_prefill import choose_path, prefill_attention_
 SETTINGS = [(1, 0, 4096), (1, 14336, 2048), (4, 14336, 2048), (1, 16320, 64), (4, 16320, 64), (1, 16128, 256),
             (1, 15872, 512), (1, 15360, 1024)]
 PLANS = ["head keep 0.5", "head keep 0.25", "budget 0.2", "budget 0.2 w1024"]
-TINY_SHAPE = dict(heads=4, kv_heads=2, head_dim=32)
 TINY_SETTINGS = [(1, 0, 24), (2, 40, 9)]  # both paths are timed (forced) whatever the launcher picks
 
 
@@ -99,7 +98,7 @@ def main():
     args = parser.parse_args()
     plans = [plan for plan in attention.PLANS if plan["plan"] in args.plans]
     if args.tiny:
-        device, gpu, shapes, settings = torch.device("cpu"), "cpu", {"tiny": TINY_SHAPE}, TINY_SETTINGS
+        device, gpu, shapes, settings = torch.device("cpu"), "cpu", {"tiny": attention.TINY_SHAPE}, TINY_SETTINGS
     else:
         device = torch.device("cuda")
         gpu = torch.cuda.get_device_name(device)

@@ -1,6 +1,6 @@
-"""The GPU benchmarks' logic on CPU: `benchmarks/generate.py --tiny` runs every path on a small model and
-`benchmarks/prefill.py --tiny` every plan under Triton's interpreter (they time nothing useful there; the figures
-come from the GPU)."""
+"""The GPU benchmarks' logic on CPU: `benchmarks/generate.py --tiny` runs every path on a small model,
+`benchmarks/attention.py --tiny --sweep` and `benchmarks/prefill.py --tiny` every plan under Triton's interpreter
+(they time nothing useful there; the figures come from the GPU)."""
 import json
 import subprocess
 import sys
@@ -39,3 +39,31 @@ def test_prefill_benchmark_runs_every_plan_against_the_reference_on_a_tiny_model
     assert [row["plan"] for row in rows[:4]] == ["head keep 0.5", "head keep 0.25", "budget 0.2", "budget 0.2 w1024"]
     # the kernel against the reference op, a whole prompt and a chunk after a cached prefix, each plan
     assert all(row["relative_error"] is not None and row["relative_error"] < 2e-3 for row in rows)
+
+
+def test_attention_benchmark_sweeps_and_runs_every_plan_against_the_reference_on_a_tiny_shape():
+    result = subprocess.run([sys.executable, "benchmarks/attention.py", "--tiny", "--sweep"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["plan"] for row in rows] == ["head keep 0.5", "head keep 0.25", "budget 0.2", "head keep 0.5 w1024",
+                                             "head keep 0.25 w1024", "budget 0.2 w1024", "joint keep 0.5",
+                                             "joint keep 0.25"]
+    # every row's kernel against the reference op (float16 queries and latents)
+    assert all(row["relative_error"] is not None and row["relative_error"] < 5e-3 for row in rows)
+    # windowed plans at a window that leaves far tiles in 200 slots; the bytes read shrink with the plan
+    assert [row["rope_window"] for row in rows[3:6]] == [48, 48, 48]
+    ratio = {row["plan"]: row["bytes_ratio"] for row in rows}
+    assert 1.5 < ratio["head keep 0.5"] < ratio["head keep 0.25"] < ratio["budget 0.2"]
+    # the sweep timed the candidate geometries of the exact head-wise plans, and refused 8 warps over codes
+    sweeps = [line for line in result.stdout.splitlines() if line.startswith("sweep tiny")]
+    assert [line.split(":")[0] for line in sweeps] == ["sweep tiny head keep 0.25", "sweep tiny budget 0.2"]
+    assert "num_warps=8 over quantized latents" in result.stdout
+    # each plan runs at its sweep's fastest geometry (keep 0.5 at keep 0.25's, a windowed plan at its exact one's)
+    fastest = {line.split(":")[0].removeprefix("sweep tiny "): line.split(": ")[1].split(", ")[0].split(" ms ")[1]
+               for line in sweeps}
+    for row in rows[:6]:
+        swept = fastest["budget 0.2" if row["plan"].startswith("budget") else "head keep 0.25"]
+        config = row["config"]
+        assert swept == (f"{config['block_s']}/{config['num_warps']}w/{config['num_stages']}s/"
+                         f"{config['max_registers']}r"), (row["plan"], swept, config)
