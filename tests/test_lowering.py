@@ -1,5 +1,7 @@
 """The backend's lowering stage: Inductor around the rewritten graph (the default on CUDA; forced here on CPU, or
 chosen by an Inductor mode)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,22 +82,50 @@ def test_cuda_graphs_replay_decode_steps_of_a_channel_axis_plan():
     plan = lrkv.RankPlan.uniform(model, keep=0.5, bits=4, group=8, axis_k="channel", progress=False)
     from torch._dynamo.utils import counters
 
-    prompt = torch.randint(0, VOCAB, (2, 5), device="cuda")
     counters.clear()
-    logits, tokens = {}, None  # the reference's greedy tokens, fed to both
+    logits = _greedy_steps(model, plan, torch.randint(0, VOCAB, (2, 5), device="cuda"), steps=13, max_cache_len=32)
+    assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"
+    torch.testing.assert_close(logits["cuda graphs"], logits["reference"], atol=2e-2, rtol=2e-2)
+
+
+def _greedy_steps(model, plan, prompt, steps, max_cache_len):
+    """Each step's last logits, {"reference": the uncompiled graph on the reference ops, "cuda graphs":
+    mode="reduce-overhead"}, from `prompt` and then the reference's greedy tokens, fed to both."""
+    logits, tokens = {}, None
     for name, options in {"reference": dict(inductor=False, kernels="reference"),
                           "cuda graphs": dict(mode="reduce-overhead")}.items():
-        cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=32)
+        cache = lrkv.LatentCache(model, plan, max_batch_size=prompt.shape[0], max_cache_len=max_cache_len)
         lm = lrkv.compile(model, plan, **options)
-        steps, chosen, token = [], [], prompt
+        outputs, chosen, token = [], [], prompt
         with torch.no_grad():
-            for step in range(13):
-                steps.append(lm(input_ids=token, **{cache_keyword(model): cache},
-                                use_cache=True).logits[:, -1].float().clone())
-                token = steps[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
+            for step in range(steps):
+                outputs.append(lm(input_ids=token, **{cache_keyword(model): cache},
+                                  use_cache=True).logits[:, -1].float().clone())
+                token = outputs[-1].argmax(-1, keepdim=True) if tokens is None else tokens[step]
                 chosen.append(token)
-        logits[name], tokens = torch.stack(steps), chosen
+        logits[name], tokens = torch.stack(outputs), chosen
+    return logits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; on CPU tests/test_kernels.py runs "
+                    "the far tiles through tensor descriptors under Triton's interpreter")
+def test_cuda_graphs_replay_decode_steps_that_read_far_tiles_through_tensor_descriptors(monkeypatch):
+    """mode="reduce-overhead" with a windowed 16-bit plan: the decode kernel reads its far tiles through tensor
+    descriptors built on the host at capture (`triton_decode.tile_descriptor`), and replays them as the cache grows
+    past a whole far tile (90-token prompts, an 8-token window, 64-slot tiles); each step's logits match the
+    uncompiled graph run on the reference ops."""
+    model = build_model(dict(num_key_value_heads=2, num_attention_heads=8, head_dim=64, hidden_size=128,
+                             attention_bias=False, num_hidden_layers=2, dtype=torch.float16, seed=0)).cuda()
+    plan = dataclasses.replace(lrkv.RankPlan.uniform(model, keep=0.5, progress=False), rope_window=8)
+    from lrkv_compile.lowering import triton_decode
+    from torch._dynamo.utils import counters
+
+    made, taken = triton_decode.tile_descriptor, []
+    monkeypatch.setattr(triton_decode, "tile_descriptor", lambda *args: taken.append(made(*args)) or taken[-1])
+    counters.clear()
+    logits = _greedy_steps(model, plan, torch.randint(0, VOCAB, (2, 90), device="cuda"), steps=8, max_cache_len=128)
     assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"
+    assert any(descriptor is not None for descriptor in taken), "no far tile went through a tensor descriptor"
     torch.testing.assert_close(logits["cuda graphs"], logits["reference"], atol=2e-2, rtol=2e-2)
 
 
