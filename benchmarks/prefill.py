@@ -22,7 +22,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 if "--tiny" in sys.argv:  # before Triton is imported: its kernels are interpreted from their definition on
     os.environ["TRITON_INTERPRET"] = "1"
@@ -74,11 +73,9 @@ def sdpa(query, keys, values, prefix):
 def measure(fn, device):
     """(median ms, MiB allocated at the peak beyond what was allocated before the call; None on CPU, where it is not
     measured)."""
-    fn()
     if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3, None
+        return attention.time_ms(fn, device), None
+    fn()
     from triton.testing import do_bench
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
