@@ -401,21 +401,29 @@ def latent_decode_kernel(
         # mid_hi (the far ones read unmasked from k_desc, v_desc)
         mid_hi = mid_lo + (mid_hi - mid_lo) // BLOCK_S * BLOCK_S
     pos_row = pos_ptr + b * pos_sb
+    # windowed RoPE: the slots that are far from this step's position, guessed from the split's last position as if
+    # the positions ran on from mid_lo, need no scan: [mid_lo, spec_hi) in whole tiles (all of the split but the one
+    # holding the window). The far loop below checks their positions as it reads them
+    query_at, spec_hi = 0, mid_lo
+    if WINDOWED:
+        query_at = tl.load(pos_row + last)
+        guessed = mid_hi - mid_lo - (rope_window - (query_at - tl.load(pos_row + mid_hi - 1, mask=mid_lo < mid_hi,
+                                                                       other=0)))
+        spec_hi = tl.where(guessed >= mid_hi - mid_lo, mid_hi, mid_lo + tl.maximum(guessed, 0) // BLOCK_S * BLOCK_S)
     # the middle tiles from run_lo on hold consecutive positions (all of them in the usual case, those after the pads
     # at left padding): no tile there loads its positions, and the queries turn from one tile's first position to
     # the next by R(-BLOCK_S) (an fp32 product per tile, not a sine per frequency); the tiles before run_lo go with
     # the edge tiles, each loading its positions and turning the queries by its own first one
     run_lo, first = mid_lo, 0  # without RoPE the positions are not read
     if HAS_ROPE:
-        run_lo, first = _run_start(pos_row, mid_lo, mid_hi, BLOCK_S, CHECK_BLOCK)
+        run_lo, first = _run_start(pos_row, spec_hi, mid_hi, BLOCK_S, CHECK_BLOCK)
     AHEAD: tl.constexpr = K_PACKED and ONE_K_CHUNK  # the key codes' scales loaded a tile ahead
     K_EVEN: tl.constexpr = K_BLOCK_RANK % K_CHUNK == 0
     # windowed RoPE: the leading whole tiles of the run of slots at least rope_window positions behind this step's
     # score in latent space; the queries' positions differ only at left padding
-    rebuild_lo, query_at, far_q, far_bias = run_lo, 0, 0.0, 0.0
+    rebuild_lo, far_lo, far_q, far_bias = run_lo, run_lo, 0.0, 0.0
     far_row = far_ptr + pid_bh * K_BLOCK_RANK * G_PAD
     if WINDOWED:
-        query_at = tl.load(pos_row + last)
         count = query_at - rope_window - first + 1  # slots from run_lo on whose positions are far
         rebuild_lo = tl.where(count >= mid_hi - run_lo, mid_hi, run_lo + tl.maximum(count, 0) // BLOCK_S * BLOCK_S)
         if ONE_K_CHUNK:  # B_k's block of the KV head times R(rope_window - p) q, here (joint: the launcher's)
@@ -428,11 +436,15 @@ def latent_decode_kernel(
                     + tl.sum(far2 * tl.load(bias_k_ptr + col + HALF).to(tl.float32)[:, None], 0)
         elif HAS_BIAS:
             far_bias = tl.load(far_bias_ptr + pid_bh * G_PAD + g)
+        # the far tiles: from mid_lo where the run starts at spec_hi (the usual case), else from run_lo (the tiles
+        # before it go with the edge tiles)
+        far_lo = tl.where(run_lo == spec_hi, mid_lo, run_lo)
+        latest = tl.zeros([BLOCK_S], tl.int32) + (query_at - rope_window)  # the latest position read, per lane
         k_scale, k_zero = None, None
         if AHEAD:
-            k_scale, k_zero = _key_scales(k_cache, b, run_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
+            k_scale, k_zero = _key_scales(k_cache, b, far_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
                                           BLOCK_S)
-        for t0 in range(run_lo, rebuild_lo, BLOCK_S):
+        for t0 in range(far_lo, rebuild_lo, BLOCK_S):
             next_scale, next_zero = None, None
             if AHEAD:
                 next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, rebuild_lo, k_lo, k_hi, K_GROUP,
@@ -445,7 +457,16 @@ def latent_decode_kernel(
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
                 True, VALUES_FIRST)
+            latest = tl.maximum(latest, tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo,
+                                                other=query_at - rope_window))
             k_scale, k_zero = next_scale, next_zero
+        if tl.max(latest, 0) > query_at - rope_window:
+            # a slot taken as far is not (positions that do not run on): every tile of the split goes with the edge
+            # tiles, which read each slot's position
+            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+            sums = tl.zeros([BLOCK_S, G_PAD], tl.float32)
+            acc = tl.zeros(acc.shape, tl.float32)
+            far_lo, rebuild_lo = mid_hi, mid_hi
     # windowed RoPE: the tile across the window's edge (far slots from rebuild_lo, near ones after) goes with the edge
     # tiles below, which turn each far slot to the edge; every slot from near_lo on is near
     near_lo = rebuild_lo
@@ -483,10 +504,10 @@ def latent_decode_kernel(
             qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
                         qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
         k_scale, k_zero = next_scale, next_zero
-    # the other tiles, each with its own positions and queries turned by its first one: [s_lo, run_lo) (the edge
+    # the other tiles, each with its own positions and queries turned by its first one: [s_lo, far_lo) (the edge
     # tiles that may hold exact sink copies, then those before the run: at left padding, the pads' tiles), the tile
     # across the window's edge [rebuild_lo, near_lo), and [mid_hi, cached_hi) (those that may hold window copies)
-    first_edge = tl.cdiv(tl.maximum(run_lo - s_lo, 0), BLOCK_S)  # run_lo is a tile boundary, or mid_hi = cached_hi
+    first_edge = tl.cdiv(tl.maximum(far_lo - s_lo, 0), BLOCK_S)  # far_lo is a tile boundary, or mid_hi = cached_hi
     across_edge = first_edge + (near_lo - rebuild_lo) // BLOCK_S
     for tile in range(0, across_edge + tl.cdiv(cached_hi - mid_hi, BLOCK_S)):
         t0 = tl.where(tile < first_edge, s_lo + tile * BLOCK_S,

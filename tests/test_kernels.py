@@ -253,6 +253,24 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("edited", ["near", "far"])
+def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, edited):
+    """The far tiles before the window are guessed from each split's last position, as if the positions ran on, and
+    read without a scan of their positions; the far loop checks them as it reads them. A slot in the middle of the
+    row edited to a recent position ("near") makes its split start over with every tile reading its positions; one
+    edited to an older position ("far") scores against its latent like its neighbours."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
+                           "mask": "none", "padding": False, "length": 400, "rope_window": 90,
+                           "start_position": 2000})
+    positions = kwargs["positions"]
+    query_at = int(positions[0, 399])
+    positions[:, 150] = query_at - 3 if edited == "near" else 7
+    positions[1, 21] = query_at - 89 if edited == "near" else query_at - 90  # one inside the window, one at its edge
+    for block_s in (16, 64):
+        check(kwargs, triton_decode.DecodeConfig(block_s=block_s, num_warps=4, num_stages=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rope_window, edge", [(1, "every slot far"), (4, "far slots fill whole tiles"),
                                                (2, "the last tile, partial, across the edge")])
 def test_windowed_rope_where_the_window_edge_falls(dtype, rope_window, edge):
