@@ -210,14 +210,12 @@ def _tma_able(side: dict, interpret: bool) -> bool:
     return latent.data_ptr() % 16 == 0 and all(stride * size % 16 == 0 for stride in latent.stride()[:2])
 
 
-def tile_descriptor(side: dict, block_s: int, interpret: bool) -> Optional[TensorDescriptor]:
-    """A side's 16-bit latents as a tensor descriptor whose blocks are the decode kernel's tiles [1, block_s, CHUNK]
-    (`_tma_able`; else None, and the kernel loads through pointers). The kernel reads its far tiles (windowed RoPE)
+def tile_descriptor(side: dict, block_s: int) -> TensorDescriptor:
+    """A side's 16-bit latents as a tensor descriptor whose blocks are the decode kernel's tiles [1, block_s, CHUNK],
+    for a side `_tma_able` accepts (for the others the kernel loads through pointers). The kernel reads its far tiles (windowed RoPE)
     through it: on an H100 (16K, batch 16) keep 0.25 w1024 took 0.1128 ms against 0.1159 through pointers
     (Llama-3-8B shape) and 0.4272 against 0.4482 (Llama-2-7B); the tiles whose keys are rebuilt were 1-4% slower
     through it (keep 0.25 exact 0.1344 against 0.1301 ms), so they keep pointer loads."""
-    if not _tma_able(side, interpret):
-        return None
     latent = side["latent"]
     return TensorDescriptor(latent, list(latent.shape), list(latent.stride()), [1, block_s, side["CHUNK"]])
 
@@ -337,8 +335,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
             part_acc, part_max, part_sum,
             qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"],
             int(rope_window) if windowed else 0,
-            tile_descriptor(k, block_s, interpret) if far_tma else None,
-            tile_descriptor(v, block_s, interpret) if far_tma else None)
+            tile_descriptor(k, block_s) if tma[0] else None, tile_descriptor(v, block_s) if tma[1] else None)
 
     constants = dict(
         KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=g_pad, HEAD_DIM=head_dim,
