@@ -604,12 +604,7 @@ def combine_project_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, up_ptr, bia
         top = tl.maximum(top, tl.load(part_max_ptr + (pid_bh * num_splits + split) * GROUP_HEADS + g, mask=g_ok,
                                       other=float("-inf")))
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([G_PAD], tl.float32)
-    for split in range(0, num_splits):
-        rows = (pid_bh * num_splits + split) * GROUP_HEADS + g
-        weight = tl.math.exp2(tl.load(part_max_ptr + rows, mask=g_ok, other=float("-inf")) - top)
-        total += tl.load(part_sum_ptr + rows, mask=g_ok, other=0.0) * weight
-    total = tl.where(total > 0, total, 1.0)
+    total = tl.zeros([G_PAD], tl.float32)  # summed over the splits with the first chunk
     d = tl.arange(0, HEAD_DIM)
     out = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
     for c in tl.static_range(0, RANGE, CHUNK):
@@ -619,9 +614,13 @@ def combine_project_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, up_ptr, bia
         for split in range(0, num_splits):
             rows = (pid_bh * num_splits + split) * GROUP_HEADS + g
             weight = tl.math.exp2(tl.load(part_max_ptr + rows, mask=g_ok, other=float("-inf")) - top)
+            if c == 0:
+                total += tl.load(part_sum_ptr + rows, mask=g_ok, other=0.0) * weight
             acc = tl.load(part_acc_ptr + rows[:, None] * RANGE + ch[None, :], mask=g_ok[:, None] & ch_ok[None, :],
                           other=0.0)
             context += acc * weight[:, None]
+        if c == 0:
+            total = tl.where(total > 0, total, 1.0)
         up = tl.load(up_ptr + (h * RANGE + ch)[:, None] * HEAD_DIM + d[None, :], mask=ch_ok[:, None], other=0.0)
         out = tl.dot(context / total[:, None], up, out, input_precision=PRECISION)
     if HAS_BIAS:
