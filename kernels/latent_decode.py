@@ -27,7 +27,10 @@ the pads at left padding): those tiles load no positions, and the queries, turne
 next tile by R(-BLOCK_S), an fp32 product per tile (full-precision cosines, so the drift over a split's tiles stays
 near float32 rounding). Each tile before that boundary loads its positions and turns the queries by its own p0, and
 the keys of a tile whose positions are not consecutive (e.g. across the pads) turn on by the rest of their angle per
-slot. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle
+slot. With windowed RoPE the slots far from this step's position need neither: the far tiles before the window are
+guessed from the last position of the split's middle range as if the positions ran on, read without a scan and
+checked as they are read (a split where one of them is near after all starts over in the edge loop), and only the
+window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle
 (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and correct that to
 first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
@@ -401,9 +404,10 @@ def latent_decode_kernel(
         # mid_hi (the far ones read unmasked from k_desc, v_desc)
         mid_hi = mid_lo + (mid_hi - mid_lo) // BLOCK_S * BLOCK_S
     pos_row = pos_ptr + b * pos_sb
-    # windowed RoPE: the slots that are far from this step's position, guessed from the split's last position as if
-    # the positions ran on from mid_lo, need no scan: [mid_lo, spec_hi) in whole tiles (all of the split but the one
-    # holding the window). The far loop below checks their positions as it reads them
+    # windowed RoPE: the slots far from this step's position, guessed from the last position of the middle range
+    # (pos[mid_hi - 1]) as if the positions ran on from mid_lo, need no scan: [mid_lo, spec_hi) in whole tiles (the
+    # whole middle range of every split but those reaching into the window, which stop at the tile across its edge).
+    # The far loop below checks their positions as it reads them
     query_at, spec_hi = 0, mid_lo
     if WINDOWED:
         query_at = tl.load(pos_row + last)
@@ -412,8 +416,9 @@ def latent_decode_kernel(
         spec_hi = tl.where(guessed >= mid_hi - mid_lo, mid_hi, mid_lo + tl.maximum(guessed, 0) // BLOCK_S * BLOCK_S)
     # the middle tiles from run_lo on hold consecutive positions (all of them in the usual case, those after the pads
     # at left padding): no tile there loads its positions, and the queries turn from one tile's first position to
-    # the next by R(-BLOCK_S) (an fp32 product per tile, not a sine per frequency); the tiles before run_lo go with
-    # the edge tiles, each loading its positions and turning the queries by its own first one
+    # the next by R(-BLOCK_S) (an fp32 product per tile, not a sine per frequency); the tiles before run_lo (those
+    # from spec_hi, windowed) go with the edge tiles, each loading its positions and turning the queries by its own
+    # first one. Where spec_hi = mid_hi the scan is empty and `first` means nothing: rebuild_lo is mid_hi either way
     run_lo, first = mid_lo, 0  # without RoPE the positions are not read
     if HAS_ROPE:
         run_lo, first = _run_start(pos_row, spec_hi, mid_hi, BLOCK_S, CHECK_BLOCK)
@@ -505,7 +510,8 @@ def latent_decode_kernel(
                         qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
         k_scale, k_zero = next_scale, next_zero
     # the other tiles, each with its own positions and queries turned by its first one: [s_lo, far_lo) (the edge
-    # tiles that may hold exact sink copies, then those before the run: at left padding, the pads' tiles), the tile
+    # tiles that may hold exact sink copies, then those before the run: at left padding, the pads' tiles; after the
+    # far loop's check failed, every tile up to mid_hi), the tile
     # across the window's edge [rebuild_lo, near_lo), and [mid_hi, cached_hi) (those that may hold window copies)
     first_edge = tl.cdiv(tl.maximum(far_lo - s_lo, 0), BLOCK_S)  # far_lo is a tile boundary, or mid_hi = cached_hi
     across_edge = first_edge + (near_lo - rebuild_lo) // BLOCK_S
