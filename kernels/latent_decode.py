@@ -30,9 +30,9 @@ the keys of a tile whose positions are not consecutive (e.g. across the pads) tu
 slot. With windowed RoPE the slots far from this step's position need neither: the far tiles before the window are
 guessed from the last position of the split's middle range as if the positions ran on, read without a scan and
 checked as they are read (a split where one of them is near after all starts over in the edge loop), and only the
-window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle
-(~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and correct that to
-first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
+window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding
+of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and
+correct that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
 VALUES_FIRST (the launcher's choice, `triton_decode.values_first`: packed value codes on the GPU, the layouts a
 float16 GPU would pack under the interpreter): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD],
