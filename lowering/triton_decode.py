@@ -213,9 +213,9 @@ def _tma_able(side: dict, interpret: bool) -> bool:
 def tile_descriptor(side: dict, block_s: int) -> TensorDescriptor:
     """A side's 16-bit latents as a tensor descriptor whose blocks are the decode kernel's tiles [1, block_s, CHUNK],
     for a side `_tma_able` accepts (for the others the kernel loads through pointers). The kernel reads its far
-    tiles (windowed RoPE) through it: on an H100 (16K, batch 16) keep 0.25 w1024 took 0.1128 ms against 0.1159 through pointers
-    (Llama-3-8B shape) and 0.4272 against 0.4482 (Llama-2-7B); the tiles whose keys are rebuilt were 1-4% slower
-    through it (keep 0.25 exact 0.1344 against 0.1301 ms), so they keep pointer loads."""
+    tiles (windowed RoPE) through it: on an H100 (16K, batch 16) keep 0.25 w1024 took 0.1128 ms against 0.1159
+    through pointers (Llama-3-8B shape) and 0.4272 against 0.4482 (Llama-2-7B); the tiles whose keys are rebuilt
+    were 1-4% slower through it (keep 0.25 exact 0.1344 against 0.1301 ms), so they keep pointer loads."""
     latent = side["latent"]
     return TensorDescriptor(latent, list(latent.shape), list(latent.stride()), [1, block_s, side["CHUNK"]])
 
