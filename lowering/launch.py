@@ -3,12 +3,12 @@
 `kernel[grid](*args, **constants)` binds and specializes every argument on each call (~60 us for the decode
 kernel's 83 parameters on an H200 host, measured against ~18 us for the compiled kernel's own launch), and a decode
 step launches these kernels once per layer. `launch` keeps the compiled kernel Triton returns per kernel, device, set
-of constants and key of the arguments, and launches it directly from then on. The key (`_specialization`) is finer than what
-Triton specializes on (checked against Triton 3.6 and 3.9): each tensor's dtype and address modulo 256, each
-integer's value, bools apart from integers, a tensor descriptor's dtype and block. The direct launch skips what Triton's own launch re-reads each time (its
-debug and instrumentation settings, changed globals). Under the interpreter, for arguments the key does not cover,
-and with a Triton whose compiled kernels take other arguments than the kernel's parameters (before 3.3), it is the
-plain launch.
+of constants and key of the arguments, and launches it directly from then on. The key (`_specialization`) is finer
+than what Triton specializes on (checked against Triton 3.6 and 3.9): each tensor's dtype and address modulo 256,
+each integer's value, bools apart from integers, a tensor descriptor's dtype and block. The direct launch skips what
+Triton's own launch re-reads each time (its debug and instrumentation settings, changed globals). Under the
+interpreter, for arguments the key does not cover, and with a Triton whose compiled kernels take other arguments
+than the kernel's parameters (before 3.3), it is the plain launch.
 """
 import os
 
