@@ -29,8 +29,8 @@ near float32 rounding). Each tile before that boundary loads its positions and t
 the keys of a tile whose positions are not consecutive (e.g. across the pads) turn on by the rest of their angle per
 slot. With windowed RoPE the slots far from this step's position need neither: the far tiles before the window are
 guessed from the last position of the split's middle range as if the positions ran on, read without a scan and
-checked as they are read (a split where one of them is near after all starts over in the edge loop), and only the
-window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding
+checked as they are read (POSITIONS_AHEAD: each tile's positions loaded a tile ahead; a split where one of them is
+near after all starts over in the edge loop), and only the window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding
 of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and
 correct that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
@@ -333,7 +333,7 @@ def latent_decode_kernel(
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, VALUES_FIRST: tl.constexpr,
-        BLOCK_S: tl.constexpr, CHECK_BLOCK: tl.constexpr = 1024):
+        BLOCK_S: tl.constexpr, POSITIONS_AHEAD: tl.constexpr = False, CHECK_BLOCK: tl.constexpr = 1024):
     """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
     [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
     which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
@@ -449,7 +449,14 @@ def latent_decode_kernel(
         if AHEAD:
             k_scale, k_zero = _key_scales(k_cache, b, far_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
                                           BLOCK_S)
+        floor = query_at - rope_window
+        if POSITIONS_AHEAD:
+            pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < rebuild_lo, other=floor)
         for t0 in range(far_lo, rebuild_lo, BLOCK_S):
+            if POSITIONS_AHEAD:  # the next tile's positions, so that the check below waits on no load
+                pos_here = pos_next
+                pos_next = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < rebuild_lo,
+                                   other=floor)
             next_scale, next_zero = None, None
             if AHEAD:
                 next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, rebuild_lo, k_lo, k_hi, K_GROUP,
@@ -462,8 +469,9 @@ def latent_decode_kernel(
                 V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
                 True, VALUES_FIRST)
-            latest = tl.maximum(latest, tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo,
-                                                other=query_at - rope_window))
+            if not POSITIONS_AHEAD:
+                pos_here = tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo, other=floor)
+            latest = tl.maximum(latest, pos_here)
             k_scale, k_zero = next_scale, next_zero
         if tl.max(latest, 0) > query_at - rope_window:
             # a slot taken as far is not (positions that do not run on): every tile of the split goes with the edge

@@ -255,13 +255,15 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("edited", ["near", "far", "near, early", "jump back"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, edited, splits, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["positions in the tile", "positions a tile ahead"])
+def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, edited, splits, ahead, monkeypatch):
     """The far tiles before the window are guessed from each split's last position, as if the positions ran on, and
     read without a scan of their positions (16-bit latents: through tensor descriptors); the far loop checks them as
     it reads them. A slot edited to a recent position ("near": mid-row; "near, early": in the first tile), or a row
     whose positions jump back (its first 120 slots hold later positions than the query's), makes its split start
     over with every tile reading its positions; a slot edited to an older position ("far") scores against its
-    latent like its neighbours. One split, and three (the last one reaching into the window)."""
+    latent like its neighbours. One split, and three (the last one reaching into the window); the far loop reading
+    each tile's positions with its latents, and a tile ahead (`DecodeConfig.positions_ahead`)."""
     monkeypatch.setattr(triton_decode, "_splits", lambda *args: splits)
     kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
                            "mask": "none", "padding": False, "length": 400, "rope_window": 90,
@@ -276,7 +278,7 @@ def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, e
         positions[:, 150] = query_at - 3 if edited == "near" else 7
         positions[1, 21] = query_at - 89 if edited == "near" else query_at - 90  # inside the window, at its edge
     for block_s in (16, 64):
-        check(kwargs, triton_decode.DecodeConfig(block_s=block_s, num_warps=4, num_stages=1))
+        check(kwargs, triton_decode.DecodeConfig(block_s=block_s, num_warps=4, num_stages=1, positions_ahead=ahead))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
