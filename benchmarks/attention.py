@@ -244,8 +244,9 @@ def main():
                 kwargs, read = build(shape, plan, batch, context, device)
                 quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
                 value_chunk = channel_chunk(int(plan["keep_v"] * shape["head_dim"]))
-                config = chosen.get((name, plan["plan"])) or default_config(plan["scheme"] == "head", quantized,
-                                                                            value_chunk, bool(plan.get("rope_window")))
+                config = chosen.get((name, plan["plan"])) or default_config(
+                    plan["scheme"] == "head", quantized, value_chunk, bool(plan.get("rope_window")),
+                    shape["heads"] // shape["kv_heads"])
                 lrkv = time_ms(lambda: decode_attention_with(config, **kwargs), device)
                 error = None
                 if batch * context <= 16 * 4096:  # checked against the reference op where it fits

@@ -35,8 +35,8 @@ class DecodeConfig:
     latents read by the tensor memory accelerator where it can (`tile_descriptor`), else by pointer loads.
     positions_ahead: windowed RoPE's far loop loads each tile's positions (which it checks) a tile ahead, so that the
     check waits on no load. On an H100 (16K, batch 16) it took keep 0.25 w1024 from 0.1143 to 0.1115 ms (Llama-3-8B
-    shape) and from 0.4260 to 0.4190 (Llama-2-7B) under the 168-register cap; kernels without the cap lost (Llama-2-7B
-    keep 0.5 w1024 0.718 -> 0.729 ms, the budget plan 0.97 -> 1.00)."""
+    shape) and from 0.4260 to 0.4190 (Llama-2-7B) in 64-slot tiles under the 168-register cap; the budget plan and
+    16-bit keep 0.5 lost with it (Llama-2-7B keep 0.5 w1024 0.718 -> 0.729 ms, budget 0.97 -> 1.00)."""
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
@@ -48,9 +48,15 @@ class DecodeConfig:
 # the fastest of CANDIDATES on an H100 at 16K (benchmarks/attention.py --sweep): 255 registers, two programs per
 # multiprocessor, where codes are dequantized or keys kept in float32; 168 (three) for float16 keys of 16-bit latents
 DEFAULT = DecodeConfig(block_s=64, num_warps=4, num_stages=3)
-DEFAULT_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168,
-                              positions_ahead=True)
-CANDIDATES = (DEFAULT, DEFAULT_HALVES,
+DEFAULT_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168)
+# windowed RoPE over 16-bit latents, at most 32 value channels a program (keep 0.25): DEFAULT_HALVES with the far
+# tiles' positions a tile ahead; 128-slot tiles without the cap where each KV head serves one query head (MHA). H100,
+# keep 0.25 w1024, two runs of benchmarks/attention.py: Llama-2-7B 0.418 -> 0.403 ms at 16K and batch 16 (3.33x ->
+# 3.43x SDPA), 0.145 -> 0.132 at 4K, 0.373 -> 0.371 at 64K and batch 4; Llama-3-8B (4 query heads a KV head) lost
+# with them (0.110 -> 0.111 at 16K, 0.043 -> 0.045 at 4K, 0.111 -> 0.112 at 64K)
+WINDOWED_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168, positions_ahead=True)
+WINDOWED_HALVES_MHA = DecodeConfig(block_s=128, num_warps=4, num_stages=3, positions_ahead=True)
+CANDIDATES = (DEFAULT, DEFAULT_HALVES, WINDOWED_HALVES, WINDOWED_HALVES_MHA,
               DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=128),
               DecodeConfig(block_s=64, num_warps=4, num_stages=2),
               DecodeConfig(block_s=64, num_warps=4, num_stages=2, max_registers=168),
@@ -255,7 +261,8 @@ def check_inputs(query, num_kv_heads, inv_freq, kernel: str) -> bool:
     return interpret
 
 
-def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: bool = False) -> DecodeConfig:
+def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: bool = False,
+                   query_group: int = 1) -> DecodeConfig:
     """The launch geometry `decode_attention` takes: DEFAULT_HALVES where keys are rebuilt in float16 (float16
     models, head- or group-wise factors) from 16-bit latents and a program holds at most 64 value channels (32 with
     windowed RoPE), DEFAULT where codes are dequantized, keys are float32 or the value chunk is wider (their
@@ -263,9 +270,14 @@ def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: boo
     0.25-0.27 ms uncapped, Llama-3-8B shape at 16K, batch 16, on an H200). The windowed kernel, with its loop over
     far tiles, spills 46 registers under the cap at 64 value channels against 14 without windowed RoPE: on an H100
     (16K, batch 16, keep 0.5) it took 0.213 ms capped and 0.195 uncapped, while the exact kernel took 0.204 capped
-    and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped."""
-    cap = value_chunk <= (32 if windowed else 64)
-    return DEFAULT_HALVES if half_keys and not codes and cap else DEFAULT
+    and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped. Windowed plans that would take the cap
+    take WINDOWED_HALVES (the far tiles' positions loaded a tile ahead), or WINDOWED_HALVES_MHA where each KV head
+    serves one query head (query_group: query heads per KV head)."""
+    if not half_keys or codes or value_chunk > (32 if windowed else 64):
+        return DEFAULT
+    if windowed:
+        return WINDOWED_HALVES_MHA if query_group == 1 else WINDOWED_HALVES
+    return DEFAULT_HALVES
 
 
 def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions,
@@ -359,7 +371,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         VALUES_FIRST=values_first(v, interpret))
     codes = k_bits != 16 or v_bits != 16
     if config is None:
-        config = default_config(half_keys, codes, values["CHUNK"], windowed)
+        config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
     if codes and config.num_warps > MAX_WARPS_WITH_CODES:
         raise NotImplementedError(f"num_warps={config.num_warps} over quantized latents: wrong results or an illegal "
                                   f"memory access on an H100 (Triton 3.6); take {MAX_WARPS_WITH_CODES} warps or fewer")

@@ -282,6 +282,18 @@ def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, e
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("padding", [False, True])
+def test_windowed_rope_in_the_geometry_of_mha_shapes(dtype, padding):
+    """One query head per KV head, 16-bit latents, windowed RoPE, in the geometry the launcher takes for such plans
+    on the GPU (WINDOWED_HALVES_MHA: 128-slot tiles, the far tiles' positions a tile ahead): its far tiles, the tile
+    across the window's edge and the near ones read as the reference does, with and without left padding."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "group_heads": 1, "k_bits": 16, "v_bits": 16, "sinks": 0,
+                           "window": 0, "mask": "bool" if padding else "none", "padding": padding, "length": 600,
+                           "rope_window": 150, "start_position": 1000})
+    check(kwargs, triton_decode.WINDOWED_HALVES_MHA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rope_window, edge", [(1, "every slot far"), (4, "far slots fill whole tiles"),
                                                (2, "the last tile, partial, across the edge")])
 def test_windowed_rope_where_the_window_edge_falls(dtype, rope_window, edge):
@@ -367,7 +379,7 @@ def test_the_transposed_value_product_is_taken_for_packed_codes_only(v_bits, gpu
     assert not triton_decode.values_first(side(halves=False), interpret=False)  # bfloat16 / float32 on the GPU
 
 
-def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels_32_windowed():
+def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels_not_windowed():
     """The 168-register cap of DEFAULT_HALVES spills a program holding 128 value channels (16-bit keep-0.5 keys with
     full-rank values: 0.47 ms capped, 0.25 ms without the cap on an H200); codes and float32 keys never take it."""
     assert triton_decode.default_config(True, False, 64) == triton_decode.DEFAULT_HALVES
@@ -376,7 +388,11 @@ def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channe
     assert triton_decode.default_config(False, False, 32) == triton_decode.DEFAULT
     # windowed RoPE's far loop spills under the cap at 64 value channels (H100: 0.213 ms capped, 0.195 uncapped)
     assert triton_decode.default_config(True, False, 64, windowed=True) == triton_decode.DEFAULT
-    assert triton_decode.default_config(True, False, 32, windowed=True) == triton_decode.DEFAULT_HALVES
+    # below that, windowed plans load their far tiles' positions a tile ahead, and MHA ones (one query head a KV head)
+    # take 128-slot tiles without the cap (H100, Llama-2-7B keep 0.25 w1024 at 16K: 0.403 against 0.418 ms)
+    assert triton_decode.default_config(True, False, 32, windowed=True, query_group=4) == triton_decode.WINDOWED_HALVES
+    assert triton_decode.default_config(True, False, 32, windowed=True, query_group=1) \
+        == triton_decode.WINDOWED_HALVES_MHA
 
 
 def test_an_additive_mask_broadcast_over_the_batch():
