@@ -212,15 +212,16 @@ def main():
     if args.sweep:
         for name, shape in shapes.items():
             for plan in plans:
-                if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5" or plan.get("rope_window"):
-                    continue  # keep 0.5 takes keep 0.25's geometry, a windowed plan its exact one's
+                if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5":
+                    continue  # keep 0.5 takes keep 0.25's geometry
                 kwargs, _ = build(shape, plan, *sweep_at, device)
                 results = sweep(kwargs)
-                chosen[(name, plan["plan"])] = chosen[(name, plan["plan"] + " w1024")] = results[0][1]
+                chosen[(name, plan["plan"])] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
-                    chosen[(name, "head keep 0.5")] = chosen[(name, "head keep 0.5 w1024")] = results[0][1]
+                    chosen[(name, "head keep 0.5")] = results[0][1]
                 print(f"sweep {name} {plan['plan']}: " + ", ".join(
                     f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/{c.max_registers}r"
+                    + ("/ahead" if c.positions_ahead else "")
                     for ms, c in results[:6]))
                 sweeps.append(dict(shape=name, plan=plan["plan"], results=[
                     dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))

@@ -20,19 +20,19 @@ step's token comes from its exact latents last. Partial (max, sum, context) per 
 [batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes them through B_v in the
 same launch (`combine_splits_kernel` where the output projection absorbed B_v).
 
-RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for
-δ < BLOCK_S is a table made once per program, so no slot pays for a sine. A split first finds the tile boundary from
-which its positions run on consecutively to its last slot (its first slot in the usual case; the first boundary after
-the pads at left padding): those tiles load no positions, and the queries, turned by R(-p0) once, turn on to the
-next tile by R(-BLOCK_S), an fp32 product per tile (full-precision cosines, so the drift over a split's tiles stays
-near float32 rounding). Each tile before that boundary loads its positions and turns the queries by its own p0, and
-the keys of a tile whose positions are not consecutive (e.g. across the pads) turn on by the rest of their angle per
-slot. With windowed RoPE the slots far from this step's position need neither: the far tiles before the window are
-guessed from the last position of the split's middle range as if the positions ran on, read without a scan and
-checked as they are read (POSITIONS_AHEAD: each tile's positions loaded a tile ahead; a split where one of them is
-near after all starts over in the edge loop), and only the window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding
-of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models take each tile's own angle and
-correct that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
+RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for δ <
+BLOCK_S is a table made once per program, so no slot pays for a sine. A split first finds the tile boundary from which
+its positions run on consecutively to its last slot (its first slot in the usual case; the first boundary after the
+pads at left padding): those tiles load no positions, and the queries, turned by R(-p0) once, turn on to the next tile
+by R(-BLOCK_S), an fp32 product per tile (full-precision cosines, so the drift over a split's tiles stays near float32
+rounding). Each tile before that boundary loads its positions and turns the queries by its own p0, and the keys of a
+tile whose positions are not consecutive (e.g. across the pads) turn on by the rest of their angle per slot. With
+windowed RoPE the slots far from this step's position need neither: the far tiles before the window are guessed from
+the last position of the split's middle range as if the positions ran on, read without a scan and checked as they are
+read (a split where one of them is near after all starts over in the edge loop; POSITIONS_AHEAD loads each tile's
+positions a tile ahead), and only the window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the
+reference's fl(p f) by float32 rounding of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models
+take each tile's own angle and correct that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
 
 VALUES_FIRST (the launcher's choice, `triton_decode.values_first`: packed value codes on the GPU, the layouts a
 float16 GPU would pack under the interpreter): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD],
@@ -444,12 +444,12 @@ def latent_decode_kernel(
         # the far tiles: from mid_lo where the run starts at spec_hi (the usual case), else from run_lo (the tiles
         # before it go with the edge tiles)
         far_lo = tl.where(run_lo == spec_hi, mid_lo, run_lo)
-        latest = tl.zeros([BLOCK_S], tl.int32) + (query_at - rope_window)  # the latest position read, per lane
+        floor = query_at - rope_window  # the latest position that is far
+        latest = tl.zeros([BLOCK_S], tl.int32) + floor  # the latest position read, per lane
         k_scale, k_zero = None, None
         if AHEAD:
             k_scale, k_zero = _key_scales(k_cache, b, far_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
                                           BLOCK_S)
-        floor = query_at - rope_window
         if POSITIONS_AHEAD:
             pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < rebuild_lo, other=floor)
         for t0 in range(far_lo, rebuild_lo, BLOCK_S):
@@ -473,7 +473,7 @@ def latent_decode_kernel(
                 pos_here = tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo, other=floor)
             latest = tl.maximum(latest, pos_here)
             k_scale, k_zero = next_scale, next_zero
-        if tl.max(latest, 0) > query_at - rope_window:
+        if tl.max(latest, 0) > floor:
             # a slot taken as far is not (positions that do not run on): every tile of the split goes with the edge
             # tiles, which read each slot's position
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)

@@ -51,9 +51,10 @@ DEFAULT = DecodeConfig(block_s=64, num_warps=4, num_stages=3)
 DEFAULT_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168)
 # windowed RoPE over 16-bit latents, at most 32 value channels a program (keep 0.25): DEFAULT_HALVES with the far
 # tiles' positions a tile ahead; 128-slot tiles without the cap where each KV head serves one query head (MHA). H100,
-# keep 0.25 w1024, two runs of benchmarks/attention.py: Llama-2-7B 0.418 -> 0.403 ms at 16K and batch 16 (3.33x ->
-# 3.43x SDPA), 0.145 -> 0.132 at 4K, 0.373 -> 0.371 at 64K and batch 4; Llama-3-8B (4 query heads a KV head) lost
-# with them (0.110 -> 0.111 at 16K, 0.043 -> 0.045 at 4K, 0.111 -> 0.112 at 64K)
+# keep 0.25 w1024, two runs of benchmarks/attention.py, WINDOWED_HALVES then 128-slot tiles: Llama-2-7B 0.418 -> 0.403
+# ms at 16K and batch 16 (3.33x -> 3.43x SDPA), 0.145 -> 0.132 at 4K, 0.373 -> 0.371 at 64K and batch 4; Llama-3-8B
+# (4 query heads a KV head) lost with 128-slot tiles (0.110 -> 0.111 at 16K, 0.043 -> 0.045 at 4K, 0.111 -> 0.112 at
+# 64K)
 WINDOWED_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168, positions_ahead=True)
 WINDOWED_HALVES_MHA = DecodeConfig(block_s=128, num_warps=4, num_stages=3, positions_ahead=True)
 CANDIDATES = (DEFAULT, DEFAULT_HALVES, WINDOWED_HALVES, WINDOWED_HALVES_MHA,
@@ -261,18 +262,17 @@ def check_inputs(query, num_kv_heads, inv_freq, kernel: str) -> bool:
     return interpret
 
 
-def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: bool = False,
-                   query_group: int = 1) -> DecodeConfig:
-    """The launch geometry `decode_attention` takes: DEFAULT_HALVES where keys are rebuilt in float16 (float16
-    models, head- or group-wise factors) from 16-bit latents and a program holds at most 64 value channels (32 with
-    windowed RoPE), DEFAULT where codes are dequantized, keys are float32 or the value chunk is wider (their
+def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: bool, query_group: int) -> DecodeConfig:
+    """The launch geometry `decode_attention` takes (query_group: query heads per KV head): DEFAULT_HALVES where keys
+    are rebuilt in float16 (float16 models, head- or group-wise factors) from 16-bit latents and a program holds at
+    most 64 value channels (for windowed RoPE see below), DEFAULT where codes are dequantized, keys are float32 or the value chunk is wider (their
     registers would spill under the cap: 16-bit keep 0.5 keys with full-rank values took 0.47 ms capped against
     0.25-0.27 ms uncapped, Llama-3-8B shape at 16K, batch 16, on an H200). The windowed kernel, with its loop over
     far tiles, spills 46 registers under the cap at 64 value channels against 14 without windowed RoPE: on an H100
     (16K, batch 16, keep 0.5) it took 0.213 ms capped and 0.195 uncapped, while the exact kernel took 0.204 capped
-    and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped. Windowed plans that would take the cap
-    take WINDOWED_HALVES (the far tiles' positions loaded a tile ahead), or WINDOWED_HALVES_MHA where each KV head
-    serves one query head (query_group: query heads per KV head)."""
+    and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped. So windowed plans take the cap only
+    at 32 value channels or fewer, as WINDOWED_HALVES (the far tiles' positions loaded a tile ahead), or take
+    WINDOWED_HALVES_MHA (128-slot tiles, uncapped) where each KV head serves one query head."""
     if not half_keys or codes or value_chunk > (32 if windowed else 64):
         return DEFAULT
     if windowed:

@@ -55,15 +55,19 @@ def test_attention_benchmark_sweeps_and_runs_every_plan_against_the_reference_on
     assert [row["rope_window"] for row in rows[3:6]] == [48, 48, 48]
     ratio = {row["plan"]: row["bytes_ratio"] for row in rows}
     assert 1.5 < ratio["head keep 0.5"] < ratio["head keep 0.25"] < ratio["budget 0.2"]
-    # the sweep timed the candidate geometries of the exact head-wise plans, and refused 8 warps over codes
+    # the sweep timed the candidate geometries of the head-wise plans (but exact keep 0.5), and refused 8 warps over
+    # codes
     sweeps = [line for line in result.stdout.splitlines() if line.startswith("sweep tiny")]
-    assert [line.split(":")[0] for line in sweeps] == ["sweep tiny head keep 0.25", "sweep tiny budget 0.2"]
+    assert [line.split(":")[0] for line in sweeps] == [
+        "sweep tiny head keep 0.25", "sweep tiny budget 0.2", "sweep tiny head keep 0.5 w1024",
+        "sweep tiny head keep 0.25 w1024", "sweep tiny budget 0.2 w1024"]
     assert "num_warps=8 over quantized latents" in result.stdout
-    # each plan runs at its sweep's fastest geometry (keep 0.5 at keep 0.25's, a windowed plan at its exact one's)
+    # each plan runs at its sweep's fastest geometry (exact keep 0.5 at keep 0.25's)
     fastest = {line.split(":")[0].removeprefix("sweep tiny "): line.split(": ")[1].split(", ")[0].split(" ms ")[1]
                for line in sweeps}
     for row in rows[:6]:
-        swept = fastest["budget 0.2" if row["plan"].startswith("budget") else "head keep 0.25"]
+        swept = fastest["head keep 0.25" if row["plan"] == "head keep 0.5" else row["plan"]]
         config = row["config"]
         assert swept == (f"{config['block_s']}/{config['num_warps']}w/{config['num_stages']}s/"
-                         f"{config['max_registers']}r"), (row["plan"], swept, config)
+                         f"{config['max_registers']}r" + ("/ahead" if config["positions_ahead"] else "")), \
+            (row["plan"], swept, config)

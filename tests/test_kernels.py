@@ -277,7 +277,7 @@ def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, e
     else:
         positions[:, 150] = query_at - 3 if edited == "near" else 7
         positions[1, 21] = query_at - 89 if edited == "near" else query_at - 90  # inside the window, at its edge
-    for block_s in (16, 64):
+    for block_s in (16, 64, 128):
         check(kwargs, triton_decode.DecodeConfig(block_s=block_s, num_warps=4, num_stages=1, positions_ahead=ahead))
 
 
@@ -379,20 +379,38 @@ def test_the_transposed_value_product_is_taken_for_packed_codes_only(v_bits, gpu
     assert not triton_decode.values_first(side(halves=False), interpret=False)  # bfloat16 / float32 on the GPU
 
 
-def test_registers_are_capped_only_where_a_program_holds_at_most_64_value_channels_not_windowed():
+@pytest.mark.parametrize("group", [1, 4])
+def test_default_geometry_by_value_channels_rope_and_query_heads(group):
     """The 168-register cap of DEFAULT_HALVES spills a program holding 128 value channels (16-bit keep-0.5 keys with
     full-rank values: 0.47 ms capped, 0.25 ms without the cap on an H200); codes and float32 keys never take it."""
-    assert triton_decode.default_config(True, False, 64) == triton_decode.DEFAULT_HALVES
-    assert triton_decode.default_config(True, False, 128) == triton_decode.DEFAULT
-    assert triton_decode.default_config(True, True, 32) == triton_decode.DEFAULT
-    assert triton_decode.default_config(False, False, 32) == triton_decode.DEFAULT
+    def config(half_keys, codes, channels, windowed=False):
+        return triton_decode.default_config(half_keys, codes, channels, windowed, group)
+    assert config(True, False, 64) == triton_decode.DEFAULT_HALVES
+    assert config(True, False, 128) == triton_decode.DEFAULT
+    assert config(True, True, 32) == triton_decode.DEFAULT
+    assert config(False, False, 32) == triton_decode.DEFAULT
     # windowed RoPE's far loop spills under the cap at 64 value channels (H100: 0.213 ms capped, 0.195 uncapped)
-    assert triton_decode.default_config(True, False, 64, windowed=True) == triton_decode.DEFAULT
+    assert config(True, False, 64, windowed=True) == triton_decode.DEFAULT
     # below that, windowed plans load their far tiles' positions a tile ahead, and MHA ones (one query head a KV head)
     # take 128-slot tiles without the cap (H100, Llama-2-7B keep 0.25 w1024 at 16K: 0.403 against 0.418 ms)
-    assert triton_decode.default_config(True, False, 32, windowed=True, query_group=4) == triton_decode.WINDOWED_HALVES
-    assert triton_decode.default_config(True, False, 32, windowed=True, query_group=1) \
-        == triton_decode.WINDOWED_HALVES_MHA
+    windowed = triton_decode.WINDOWED_HALVES_MHA if group == 1 else triton_decode.WINDOWED_HALVES
+    assert config(True, False, 32, windowed=True) == windowed
+    assert windowed.positions_ahead
+
+
+def test_the_launch_geometry_reaches_the_kernel(monkeypatch):
+    """What the launcher decides for a windowed MHA plan of 16-bit latents (WINDOWED_HALVES_MHA) is what the decode
+    kernel is launched with: 128-slot tiles, the far tiles' positions a tile ahead."""
+    launched = []
+    real = triton_decode.launch_kernel
+    monkeypatch.setattr(triton_decode, "launch_kernel",
+                        lambda kernel, grid, args, constants: launched.append(constants) or real(kernel, grid, args,
+                                                                                                  constants))
+    monkeypatch.setattr(triton_decode, "default_config", lambda *args: triton_decode.WINDOWED_HALVES_MHA)
+    kwargs = build_case(**{**BASE, "dtype": torch.float16, "group_heads": 1, "k_bits": 16, "v_bits": 16, "sinks": 0,
+                           "window": 0, "mask": "none", "padding": False, "length": 300, "rope_window": 60})
+    check(kwargs)
+    assert launched[0]["BLOCK_S"] == 128 and launched[0]["POSITIONS_AHEAD"] is True
 
 
 def test_an_additive_mask_broadcast_over_the_batch():
