@@ -34,8 +34,7 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from lrkv_compile.lowering import reference  # noqa: E402
 from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
-from lrkv_compile.lowering.triton_decode import (CANDIDATES, channel_chunk, decode_attention_with,  # noqa: E402
-                                                 default_config)
+from lrkv_compile.lowering.triton_decode import CANDIDATES, decode_attention_with, launch_config  # noqa: E402
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
 SETTINGS = [(16, 4096), (16, 16384), (4, 65536)]
@@ -244,10 +243,7 @@ def main():
                     continue
                 kwargs, read = build(shape, plan, batch, context, device)
                 quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
-                value_chunk = channel_chunk(int(plan["keep_v"] * shape["head_dim"]))
-                config = chosen.get((name, plan["plan"])) or default_config(
-                    plan["scheme"] == "head", quantized, value_chunk, bool(plan.get("rope_window")),
-                    shape["heads"] // shape["kv_heads"])
+                config = chosen.get((name, plan["plan"])) or launch_config(**kwargs)  # what the launcher takes
                 lrkv = time_ms(lambda: decode_attention_with(config, **kwargs), device)
                 error = None
                 if batch * context <= 16 * 4096:  # checked against the reference op where it fits

@@ -265,14 +265,14 @@ def check_inputs(query, num_kv_heads, inv_freq, kernel: str) -> bool:
 def default_config(half_keys: bool, codes: bool, value_chunk: int, windowed: bool, query_group: int) -> DecodeConfig:
     """The launch geometry `decode_attention` takes (query_group: query heads per KV head): DEFAULT_HALVES where keys
     are rebuilt in float16 (float16 models, head- or group-wise factors) from 16-bit latents and a program holds at
-    most 64 value channels (for windowed RoPE see below), DEFAULT where codes are dequantized, keys are float32 or the value chunk is wider (their
-    registers would spill under the cap: 16-bit keep 0.5 keys with full-rank values took 0.47 ms capped against
-    0.25-0.27 ms uncapped, Llama-3-8B shape at 16K, batch 16, on an H200). The windowed kernel, with its loop over
-    far tiles, spills 46 registers under the cap at 64 value channels against 14 without windowed RoPE: on an H100
-    (16K, batch 16, keep 0.5) it took 0.213 ms capped and 0.195 uncapped, while the exact kernel took 0.204 capped
-    and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped. So windowed plans take the cap only
-    at 32 value channels or fewer, as WINDOWED_HALVES (the far tiles' positions loaded a tile ahead), or take
-    WINDOWED_HALVES_MHA (128-slot tiles, uncapped) where each KV head serves one query head."""
+    most 64 value channels (for windowed RoPE see below), DEFAULT where codes are dequantized, keys are float32 or the
+    value chunk is wider (their registers would spill under the cap: 16-bit keep 0.5 keys with full-rank values took
+    0.47 ms capped against 0.25-0.27 ms uncapped, Llama-3-8B shape at 16K, batch 16, on an H200). The windowed kernel,
+    with its loop over far tiles, spills 46 registers under the cap at 64 value channels against 14 without windowed
+    RoPE: on an H100 (16K, batch 16, keep 0.5) it took 0.213 ms capped and 0.195 uncapped, while the exact kernel took
+    0.204 capped and 0.211 uncapped, and keep 0.25 windowed 0.117 capped and 0.127 uncapped. So windowed plans take
+    the cap only at 32 value channels or fewer, as WINDOWED_HALVES (the far tiles' positions loaded a tile ahead), or
+    take WINDOWED_HALVES_MHA (128-slot tiles, uncapped) where each KV head serves one query head."""
     if not half_keys or codes or value_chunk > (32 if windowed else 64):
         return DEFAULT
     if windowed:
@@ -288,20 +288,19 @@ def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_s
     return decode_attention_with(None, **{name: value for name, value in locals().items()})
 
 
-def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_scale, k_zero, k_exact, latent_v,
-                          v_scale, v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq,
-                          rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks,
-                          k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, rope_window=0):
-    """`decode_attention` with an explicit launch geometry (None: `default_config`; benchmarks sweep it)."""
-    batch, heads, tokens, head_dim = query.shape
-    device = query.device
+def _layout(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k,
+            up_v, inv_freq, attn_mask, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group,
+            v_sinks, v_axis, v_outliers, rope_window):
+    """The checks of a decode step's arguments and what the launch follows from them: (interpret, query heads per KV
+    head, diagonal blocks of B_k and B_v, each side's kernel arguments and constants (`_side`), float16 keys, codes,
+    windowed RoPE)."""
+    batch, heads, tokens, _ = query.shape
     if tokens != 1:
         raise NotImplementedError(f"tokens={tokens}: the Triton kernel covers decode (one new token) only")
     interpret = check_inputs(query, num_kv_heads, inv_freq, "decode")
     if attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1
                                   or attn_mask.shape[0] not in (1, batch)):
         raise NotImplementedError(f"attn_mask of shape {tuple(attn_mask.shape)}: expected [batch|1, 1, 1, slots]")
-    group = heads // num_kv_heads
     k_blocks = diagonal_blocks(up_k, num_kv_heads)
     v_blocks = diagonal_blocks(up_v, num_kv_heads) if up_v is not None else 1
     halves = query.dtype == torch.float16 and not interpret
@@ -309,6 +308,36 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                  k_blocks, halves)
     values = _side("v", latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers,
                    v_blocks, halves)
+    # keys accumulate and turn in float16 where the factor's block is one chunk (a few roundings, like the cast after)
+    half_keys = halves and keys["BLOCK_RANK"] <= keys["CHUNK"]
+    return (interpret, heads // num_kv_heads, k_blocks, v_blocks, keys, values, half_keys,
+            k_bits != 16 or v_bits != 16, bool(rope_window) and inv_freq is not None)
+
+
+def launch_config(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k,
+                  new_v, up_k, bias_k, up_v, bias_v, inv_freq, rope_scale, length, attn_mask, softmax_scale,
+                  num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
+                  v_outliers, rope_window=0) -> DecodeConfig:
+    """The launch geometry `decode_attention` takes for these arguments (`default_config` of what they imply), for
+    benchmarks to report."""
+    _, group, _, _, keys, values, half_keys, codes, windowed = _layout(
+        query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k, up_v,
+        inv_freq, attn_mask, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks,
+        v_axis, v_outliers, rope_window)
+    return default_config(half_keys, codes, values["CHUNK"], windowed, group)
+
+
+def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_scale, k_zero, k_exact, latent_v,
+                          v_scale, v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq,
+                          rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks,
+                          k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, rope_window=0):
+    """`decode_attention` with an explicit launch geometry (None: `default_config`; benchmarks sweep it)."""
+    batch, heads, _, head_dim = query.shape
+    device = query.device
+    interpret, group, k_blocks, v_blocks, keys, values, half_keys, codes, windowed = _layout(
+        query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k, up_v,
+        inv_freq, attn_mask, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks,
+        v_axis, v_outliers, rope_window)
     v_range = values["BLOCK_RANK"]
     v_parts = triton.cdiv(v_range, values["CHUNK"])
     g_pad = max(16, _pow2(group))  # the scores' tensor-core columns: the query heads sharing the rebuilt keys
@@ -327,12 +356,9 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         mask_sb = attn_mask.stride(0) if attn_mask.shape[0] == batch else 0
         mask_ss = attn_mask.stride(3)
     rope = inv_freq is not None
-    # keys accumulate and turn in float16 where the factor's block is one chunk (a few roundings, like the cast after)
-    half_keys = halves and keys["BLOCK_RANK"] <= keys["CHUNK"]
     qk_scale = softmax_scale * (rope_scale if rope else 1.0) * math.log2(math.e)  # the kernel's softmax is base 2
     k, v = keys, values
     kernel = latent_decode.latent_decode_kernel
-    windowed = bool(rope_window) and rope
     far, far_bias = query, query
     if windowed and keys["BLOCK_RANK"] > keys["CHUNK"]:  # joint keys: the kernel reads the far queries chunk by chunk
         far, far_bias = far_queries(query, positions, length, inv_freq, up_k, bias_k, num_kv_heads, k_blocks,
@@ -369,7 +395,6 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed,
         VALUES_FIRST=values_first(v, interpret))
-    codes = k_bits != 16 or v_bits != 16
     if config is None:
         config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
     if codes and config.num_warps > MAX_WARPS_WITH_CODES:

@@ -400,7 +400,8 @@ def test_default_geometry_by_value_channels_rope_and_query_heads(group):
 
 def test_the_launch_geometry_reaches_the_kernel(monkeypatch):
     """What the launcher decides for a windowed MHA plan of 16-bit latents (WINDOWED_HALVES_MHA) is what the decode
-    kernel is launched with: 128-slot tiles, the far tiles' positions a tile ahead."""
+    kernel is launched with (128-slot tiles, the far tiles' positions a tile ahead) and what `launch_config`
+    reports."""
     launched = []
     real = triton_decode.launch_kernel
     monkeypatch.setattr(triton_decode, "launch_kernel",
@@ -411,6 +412,7 @@ def test_the_launch_geometry_reaches_the_kernel(monkeypatch):
                            "window": 0, "mask": "none", "padding": False, "length": 300, "rope_window": 60})
     check(kwargs)
     assert launched[0]["BLOCK_S"] == 128 and launched[0]["POSITIONS_AHEAD"] is True
+    assert triton_decode.launch_config(**kwargs) == triton_decode.WINDOWED_HALVES_MHA  # as benchmarks report it
 
 
 def test_an_additive_mask_broadcast_over_the_batch():
