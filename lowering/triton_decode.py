@@ -288,12 +288,12 @@ def decode_attention(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_s
     return decode_attention_with(None, **{name: value for name, value in locals().items()})
 
 
-def _layout(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k,
+def _layout(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k,
             up_v, inv_freq, attn_mask, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group,
-            v_sinks, v_axis, v_outliers, rope_window):
-    """The checks of a decode step's arguments and what the launch follows from them: (interpret, query heads per KV
-    head, diagonal blocks of B_k and B_v, each side's kernel arguments and constants (`_side`), float16 keys, codes,
-    windowed RoPE)."""
+            v_sinks, v_axis, v_outliers, rope_window, **_):
+    """The checks of a decode step's arguments (those of `decode_attention`; the ones this does not read are
+    ignored) and what the launch follows from them: (interpret, query heads per KV head, diagonal blocks of B_k and
+    B_v, each side's kernel arguments and constants (`_side`), float16 keys, codes, windowed RoPE)."""
     batch, heads, tokens, _ = query.shape
     if tokens != 1:
         raise NotImplementedError(f"tokens={tokens}: the Triton kernel covers decode (one new token) only")
@@ -320,10 +320,7 @@ def launch_config(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                   v_outliers, rope_window=0) -> DecodeConfig:
     """The launch geometry `decode_attention` takes for these arguments (`default_config` of what they imply), for
     benchmarks to report."""
-    _, group, _, _, keys, values, half_keys, codes, windowed = _layout(
-        query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k, up_v,
-        inv_freq, attn_mask, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks,
-        v_axis, v_outliers, rope_window)
+    _, group, _, _, _, values, half_keys, codes, windowed = _layout(**locals())
     return default_config(half_keys, codes, values["CHUNK"], windowed, group)
 
 
@@ -332,12 +329,9 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                           rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks,
                           k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis, v_outliers, rope_window=0):
     """`decode_attention` with an explicit launch geometry (None: `default_config`; benchmarks sweep it)."""
+    interpret, group, k_blocks, v_blocks, keys, values, half_keys, codes, windowed = _layout(**locals())
     batch, heads, _, head_dim = query.shape
     device = query.device
-    interpret, group, k_blocks, v_blocks, keys, values, half_keys, codes, windowed = _layout(
-        query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, new_k, new_v, up_k, up_v,
-        inv_freq, attn_mask, num_kv_heads, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks,
-        v_axis, v_outliers, rope_window)
     v_range = values["BLOCK_RANK"]
     v_parts = triton.cdiv(v_range, values["CHUNK"])
     g_pad = max(16, _pow2(group))  # the scores' tensor-core columns: the query heads sharing the rebuilt keys
