@@ -30,9 +30,11 @@ tile whose positions are not consecutive (e.g. across the pads) turn on by the r
 windowed RoPE the slots far from this step's position need neither: the far tiles before the window are guessed from
 the last position of the split's middle range as if the positions ran on, read without a scan and checked as they are
 read (a split where one of them is near after all starts over in the edge loop; POSITIONS_AHEAD loads each tile's
-positions a tile ahead), and only the window's part of the split is scanned. fl(p0 f) + fl(δ f) differs from the
-reference's fl(p f) by float32 rounding of the angle (~1e-4 rad at position 4K for the fastest frequency); fp32 models
-take each tile's own angle and correct that to first order (EXACT_ANGLES), 16-bit ones are far coarser than it.
+positions a tile ahead), and only the window's part of the split is scanned. Over 16-bit latents a split rebuilds
+the window's keys before it reads its far tiles (NEAR_FIRST), so that this compute overlaps the other splits' reads.
+fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle (~1e-4 rad at position 4K
+for the fastest frequency); fp32 models take each tile's own angle and correct that to first order (EXACT_ANGLES),
+16-bit ones are far coarser than it.
 
 VALUES_FIRST (the launcher's choice, `triton_decode.values_first`: packed value codes on the GPU, the layouts a
 float16 GPU would pack under the interpreter): the value product runs as C_vᵀ p, [V_CHUNK, slots] @ [slots, G_PAD],
@@ -444,79 +446,89 @@ def latent_decode_kernel(
         # the far tiles: from mid_lo where the run starts at spec_hi (the usual case), else from run_lo (the tiles
         # before it go with the edge tiles)
         far_lo = tl.where(run_lo == spec_hi, mid_lo, run_lo)
-        floor = query_at - rope_window  # the latest position that is far
-        latest = tl.zeros([BLOCK_S], tl.int32) + floor  # the latest position read, per lane
-        k_scale, k_zero = None, None
-        if AHEAD:
-            k_scale, k_zero = _key_scales(k_cache, b, far_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
-                                          BLOCK_S)
-        if POSITIONS_AHEAD:
-            pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < rebuild_lo, other=floor)
-        for t0 in range(far_lo, rebuild_lo, BLOCK_S):
-            if POSITIONS_AHEAD:  # the next tile's positions, so that the check below waits on no load
-                pos_here = pos_next
-                pos_next = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < rebuild_lo,
-                                   other=floor)
-            next_scale, next_zero = None, None
-            if AHEAD:
-                next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, rebuild_lo, k_lo, k_hi, K_GROUP,
-                                                    K_CHUNK, K_EVEN, BLOCK_S)
-            m_i, sums, acc = _attend_tile(
-                m_i, sums, acc, t0, 0, 0, True, rebuild_lo, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr, qk_scale,
-                mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero,
-                far_q, far_row, far_bias, v_cache, v_lo, v_hi, k_desc, v_desc, HALF, G_PAD,
-                K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
-                V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
-                HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
-                True, VALUES_FIRST)
-            if not POSITIONS_AHEAD:
-                pos_here = tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo, other=floor)
-            latest = tl.maximum(latest, pos_here)
-            k_scale, k_zero = next_scale, next_zero
-        if tl.max(latest, 0) > floor:
-            # a slot taken as far is not (positions that do not run on): every tile of the split goes with the edge
-            # tiles, which read each slot's position
-            m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-            sums = tl.zeros([BLOCK_S, G_PAD], tl.float32)
-            acc = tl.zeros(acc.shape, tl.float32)
-            far_lo, rebuild_lo = mid_hi, mid_hi
     # windowed RoPE: the tile across the window's edge (far slots from rebuild_lo, near ones after) goes with the edge
     # tiles below, which turn each far slot to the edge; every slot from near_lo on is near
     near_lo = rebuild_lo
     if WINDOWED:
         across = (rebuild_lo < mid_hi) & (query_at - (first + (rebuild_lo - run_lo)) >= rope_window)
         near_lo = tl.where(across, rebuild_lo + BLOCK_S, rebuild_lo)  # tiles from run_lo end at mid_hi or before
-    # the run's tiles from near_lo, keys rebuilt: consecutive positions, so the queries turn from one tile's first
-    # position to the next by R(-BLOCK_S), and the loop holds no branch on positions
-    qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first + (near_lo - run_lo), inv_freq_ptr, GROUP_HEADS,
-                               G_PAD, HALF, HAS_ROPE, FAST_MATH)
-    k_scale, k_zero = None, None  # else each tile loads them itself
-    if AHEAD:
-        k_scale, k_zero = _key_scales(k_cache, b, near_lo, mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN, BLOCK_S)
-    for t0 in range(near_lo, mid_hi, BLOCK_S):
-        next_scale, next_zero = None, None
-        if AHEAD:
-            next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
-                                                BLOCK_S)
-        start = first + (t0 - run_lo)
-        pos = start + delta
-        turned1, turned2 = qr1, qr2
-        if EXACT_ANGLES and HAS_ROPE:  # fp32 models: each tile's turn from its own angle, as the reference rounds it
-            turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD,
-                                               HALF, HAS_ROPE, FAST_MATH)
-        m_i, sums, acc = _attend_tile(
-            m_i, sums, acc, t0, pos, start, True, mid_hi, length, b, turned1.to(DOT_DTYPE),
-            turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order,
-            up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero, 0.0, far_row, 0.0, v_cache, v_lo, v_hi,
-            None, None, HALF, G_PAD,
-            K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
-            V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
-            HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S, False,
-            VALUES_FIRST)
-        if HAS_ROPE:
-            qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
-                        qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
-        k_scale, k_zero = next_scale, next_zero
+    # two phases: the run's tiles from near_lo (keys rebuilt) and windowed RoPE's far tiles. NEAR_FIRST (16-bit
+    # latents): the near tiles first, so that the splits holding the window rebuild its keys while the others
+    # stream far tiles, rather than at the end, when nothing else keeps the memory busy (H100, 16K, batch 16:
+    # keep 0.25 w1024 0.1112 -> 0.1080 ms on the Llama-3-8B shape); the budget plan's codes lost with it (0.244
+    # -> 0.249 ms). A far check that fails (below) sends the near tiles to the edge loop too
+    NEAR_FIRST: tl.constexpr = WINDOWED and K_BITS == 16 and V_BITS == 16
+    for phase in tl.static_range(2):
+        if (phase == 0) == NEAR_FIRST:
+            # the run's tiles from near_lo, keys rebuilt: consecutive positions, so the queries turn from one
+            # tile's first position to the next by R(-BLOCK_S), and the loop holds no branch on positions
+            qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, first + (near_lo - run_lo), inv_freq_ptr,
+                                       GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
+            k_scale, k_zero = None, None  # else each tile loads them itself
+            if AHEAD:
+                k_scale, k_zero = _key_scales(k_cache, b, near_lo, mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
+                                              BLOCK_S)
+            for t0 in range(near_lo, mid_hi, BLOCK_S):
+                next_scale, next_zero = None, None
+                if AHEAD:
+                    next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, mid_hi, k_lo, k_hi, K_GROUP,
+                                                        K_CHUNK, K_EVEN, BLOCK_S)
+                start = first + (t0 - run_lo)
+                pos = start + delta
+                turned1, turned2 = qr1, qr2
+                if EXACT_ANGLES and HAS_ROPE:  # fp32 models: each tile's own angle, as the reference rounds it
+                    turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr,
+                                                       GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
+                m_i, sums, acc = _attend_tile(
+                    m_i, sums, acc, t0, pos, start, True, mid_hi, length, b, turned1.to(DOT_DTYPE),
+                    turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi,
+                    k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero, 0.0, far_row, 0.0,
+                    v_cache, v_lo, v_hi, None, None, HALF, G_PAD,
+                    K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
+                    V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
+                    HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE,
+                    BLOCK_S, False, VALUES_FIRST)
+                if HAS_ROPE:
+                    qr1, qr2 = (qr1 * cos_step[:, None] + qr2 * sin_step[:, None],
+                                qr2 * cos_step[:, None] - qr1 * sin_step[:, None])
+                k_scale, k_zero = next_scale, next_zero
+        elif WINDOWED:  # the far tiles
+            floor = query_at - rope_window  # the latest position that is far
+            latest = tl.zeros([BLOCK_S], tl.int32) + floor  # the latest position read, per lane
+            k_scale, k_zero = None, None
+            if AHEAD:
+                k_scale, k_zero = _key_scales(k_cache, b, far_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
+                                              BLOCK_S)
+            if POSITIONS_AHEAD:
+                pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < rebuild_lo, other=floor)
+            for t0 in range(far_lo, rebuild_lo, BLOCK_S):
+                if POSITIONS_AHEAD:  # the next tile's positions, so that the check below waits on no load
+                    pos_here = pos_next
+                    pos_next = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < rebuild_lo,
+                                       other=floor)
+                next_scale, next_zero = None, None
+                if AHEAD:
+                    next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, rebuild_lo, k_lo, k_hi, K_GROUP,
+                                                        K_CHUNK, K_EVEN, BLOCK_S)
+                m_i, sums, acc = _attend_tile(
+                    m_i, sums, acc, t0, 0, 0, True, rebuild_lo, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr,
+                    qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2,
+                    k_scale, k_zero, far_q, far_row, far_bias, v_cache, v_lo, v_hi, k_desc, v_desc, HALF, G_PAD,
+                    K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
+                    V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
+                    HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE,
+                    BLOCK_S, True, VALUES_FIRST)
+                if not POSITIONS_AHEAD:
+                    pos_here = tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo, other=floor)
+                latest = tl.maximum(latest, pos_here)
+                k_scale, k_zero = next_scale, next_zero
+            if tl.max(latest, 0) > floor:
+                # a slot taken as far is not (positions that do not run on): every tile of the split, the near ones
+                # included, goes with the edge tiles, which read each slot's position
+                m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+                sums = tl.zeros([BLOCK_S, G_PAD], tl.float32)
+                acc = tl.zeros(acc.shape, tl.float32)
+                far_lo, rebuild_lo, near_lo = mid_hi, mid_hi, mid_hi
     # the other tiles, each with its own positions and queries turned by its first one: [s_lo, far_lo) (the edge
     # tiles that may hold exact sink copies, then those before the run: at left padding, the pads' tiles; after the
     # far loop's check failed, every tile up to mid_hi), the tile

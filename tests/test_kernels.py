@@ -261,7 +261,7 @@ def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, e
     read without a scan of their positions (16-bit latents: through tensor descriptors); the far loop checks them as
     it reads them. A slot edited to a recent position ("near": mid-row; "near, early": in the first tile), or a row
     whose positions jump back (its first 120 slots hold later positions than the query's), makes its split start
-    over with every tile reading its positions; a slot edited to an older position ("far") scores against its
+    over with every tile reading its positions, the near tiles it read before its far ones included; a slot edited to an older position ("far") scores against its
     latent like its neighbours. One split, and three (the last one reaching into the window); the far loop reading
     each tile's positions with its latents, and a tile ahead (`DecodeConfig.positions_ahead`)."""
     monkeypatch.setattr(triton_decode, "_splits", lambda *args: splits)
