@@ -5,7 +5,7 @@
     lm.generate(ids, max_new_tokens=64)               # through a LatentCache (lm.cache)
 """
 from .errors import (CacheOverflowError, CorruptPlanError, KernelUnavailableError, LrkvError, LrkvWarning, PlanError,
-                     PlanMismatchError, UnrewrittenSiteError)
+                     PlanMismatchError, SharedLatentsWarning, UnrewrittenSiteError)
 from .plan import Layout, RankPlan, SitePlan
 from .calibrate import calibrate
 from .cache import LatentCache
@@ -19,4 +19,5 @@ from .transfer import transfer
 
 __all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
            "cache_keyword", "low_rank_reference", "explain", "transfer", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
-           "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError", "KernelUnavailableError"]
+           "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError", "KernelUnavailableError",
+           "SharedLatentsWarning"]

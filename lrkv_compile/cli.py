@@ -84,13 +84,15 @@ def cmd_eval(args):
                                                                          **options))
     stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
     # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
-    exact = dict(context=args.length, sinks=args.sinks, window=args.window, rope_window=args.rope_window)
+    plan_options = dict(context=args.length, sinks=args.sinks, window=args.window, rope_window=args.rope_window,
+                        scheme=args.scheme)
     plans = [(f"lrkv budget {budget} ({args.method})",
               lambda budget=budget: lrkv.calibrate(model, calibration if args.method == "learned" else None, stats=stats,
-                                                   budget=budget, method=args.method, **exact))
+                                                   budget=budget, method=args.method, **plan_options))
              for budget in args.budgets]
     plans += [(f"lrkv {text}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
-                                                                **exact, **_setting(text))) for text in args.plans]
+                                                                **plan_options, **_setting(text)))
+              for text in args.plans]
     for name, make_plan in plans:
         plan = make_plan()
         if args.save_plans:
@@ -190,11 +192,12 @@ def cmd_calibrate(args):
     """A plan for the user's model from the user's text, saved to a file."""
     import lrkv_compile as lrkv
     model, batches = _model_and_batches(args)
-    exact = dict(context=args.context, sinks=args.sinks, window=args.window, rope_window=args.rope_window)
+    options = dict(context=args.context, sinks=args.sinks, window=args.window, rope_window=args.rope_window,
+                   scheme=args.scheme)
     if args.keep is not None:
-        plan = lrkv.calibrate(model, batches, keep=args.keep, **exact)
+        plan = lrkv.calibrate(model, batches, keep=args.keep, **options)
     else:
-        plan = lrkv.calibrate(model, batches, budget=args.budget, method=args.method, **exact)
+        plan = lrkv.calibrate(model, batches, budget=args.budget, method=args.method, **options)
     _folder_of(args.output)
     plan.save(args.output)
     print(plan.summary())
@@ -283,7 +286,7 @@ def cmd_fuzz(args):
         raise SystemExit(1)
 
 
-def _exact_arguments(parser):
+def _plan_arguments(parser):
     parser.add_argument("--sinks", type=int, default=DEFAULT_SINKS,
                         help="first tokens of a sequence also held exact (16-bit) on quantized sides")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
@@ -291,6 +294,10 @@ def _exact_arguments(parser):
     parser.add_argument("--rope-window", type=int, default=0,
                         help="windowed RoPE: tokens this far or further behind the query are scored as if exactly "
                              "this far, which lets the GPU kernel skip rebuilding their keys (0: exact RoPE)")
+    parser.add_argument("--scheme", choices=("joint", "head", "group", "hybrid"), default="joint",
+                        help="how latents split over KV heads: joint (one block for all, the best per byte), head "
+                             "(a block per KV head: the one the GPU kernels decode fast), group (blocks of 4 heads), "
+                             "hybrid (head-wise keys, joint values)")
 
 
 def main(argv=None):
@@ -327,7 +334,7 @@ def main(argv=None):
     evaluate.add_argument("--json", help="also write the figures to this JSON file")
     evaluate.add_argument("--plot", help="also draw the bytes/perplexity frontier to this image file")
     evaluate.add_argument("--save-plans", help="also save each plan into this folder")
-    _exact_arguments(evaluate)
+    _plan_arguments(evaluate)
     evaluate.set_defaults(run=cmd_eval)
     calibrate = commands.add_parser("calibrate", help="make a plan for a model from text, and save it")
     calibrate.add_argument("--model", help="a local Hugging Face model folder or a .gguf file (default: SmolLM2-135M "
@@ -340,7 +347,7 @@ def main(argv=None):
     calibrate.add_argument("--length", type=int, default=512)
     calibrate.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                            help="sequence length the budget is counted at (sinks and window amortised over it)")
-    _exact_arguments(calibrate)
+    _plan_arguments(calibrate)
     calibrate.add_argument("-o", "--output", required=True, help="plan file to write (.safetensors)")
     calibrate.set_defaults(run=cmd_calibrate)
     carry = commands.add_parser("transfer", help="carry a plan made on one model over to another model")

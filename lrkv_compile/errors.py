@@ -33,3 +33,8 @@ class KernelUnavailableError(LrkvError, RuntimeError):
 class LrkvWarning(UserWarning):
     """Something runs, but not as the plan says everywhere (layers left full, memory not reduced, a
     Dynamo fallback); `warnings.simplefilter("error", lrkv.LrkvWarning)` turns them into errors."""
+
+
+class SharedLatentsWarning(LrkvWarning):
+    """A plan runs on the GPU kernels with latents that several KV heads share (joint or group schemes), which they
+    decode many times slower than head-wise latents; the message names the sites and the head-wise fix."""

@@ -70,8 +70,9 @@ def test_compiled_and_reference_perplexity_agree(smollm2):
 
 
 def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan(smollm2, tmp_path):
-    """`lrkv calibrate --model DIR --text FILE --budget` then `lrkv inspect --plot`, on a model saved to a
-    local folder (a small random Llama with SmolLM2's tokenizer) and a text file of real prose."""
+    """`lrkv calibrate --model DIR --text FILE --budget` (joint latents by default, head-wise with `--scheme head`)
+    then `lrkv inspect --plot`, on a model saved to a local folder (a small random Llama with SmolLM2's tokenizer)
+    and a text file of real prose; `lrkv eval` on them, its budget plan head-wise and saved."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from lrkv_compile.cli import main
     _, tokenizer, _ = smollm2
@@ -85,6 +86,12 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
           "--rows", "2", "--length", "64", "-o", str(tmp_path / "plan.safetensors")])
     plan = lrkv.RankPlan.load(tmp_path / "plan.safetensors")
     assert plan.budget <= 0.3 and plan.calibration_tokens == 128 and len(plan.sites) == 4
+    assert {(site.k_scheme, site.v_scheme) for site in plan.sites} == {("joint", "joint")}  # the default
+    main(["calibrate", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--budget", "0.3",
+          "--scheme", "head", "--rows", "2", "--length", "64", "-o", str(tmp_path / "head.safetensors")])
+    head = lrkv.RankPlan.load(tmp_path / "head.safetensors")  # the scheme the GPU kernels decode fast
+    assert {(site.k_scheme, site.v_scheme, site.k_blocks, site.v_blocks) for site in head.sites} == {("head", "head", 4, 4)}
+    assert head.budget <= 0.3
     main(["inspect", str(tmp_path / "plan.safetensors"), "--plot", str(tmp_path / "plan.png")])
     assert (tmp_path / "plan.png").stat().st_size > 10_000
     with pytest.raises(FileNotFoundError, match="local files only"):
@@ -92,7 +99,10 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
     # `lrkv eval` on the same model and text: its first half calibrates, its second half evaluates
     main(["eval", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--budgets", "0.3",
           "--quanto-bits", "4", "--calib-rows", "2", "--eval-rows", "2", "--length", "64", "--score", "16",
-          "--passkeys", "2", "--passkey-context", "96", "128", "--json", str(tmp_path / "eval.json")])
+          "--passkeys", "2", "--passkey-context", "96", "128", "--json", str(tmp_path / "eval.json"),
+          "--scheme", "head", "--save-plans", str(tmp_path / "plans")])
+    saved = lrkv.RankPlan.load(tmp_path / "plans" / "lrkv-budget-0.3.safetensors")
+    assert {(site.k_scheme, site.v_scheme) for site in saved.sites} == {("head", "head")}
     rows = json.loads((tmp_path / "eval.json").read_text())
     assert [row["kind"] for row in rows] == ["full", "QuantizedCache", "lrkv"]
     full, _, compressed = rows
