@@ -455,7 +455,7 @@ def latent_decode_kernel(
     # two phases: the run's tiles from near_lo (keys rebuilt) and windowed RoPE's far tiles. NEAR_FIRST (16-bit
     # latents): the near tiles first, so that the splits holding the window rebuild its keys while the others
     # stream far tiles, rather than at the end, when nothing else keeps the memory busy (H100, 16K, batch 16:
-    # keep 0.25 w1024 0.1112 -> 0.1080 ms on the Llama-3-8B shape); the budget plan's codes lost with it (0.244
+    # keep 0.25 w1024 0.1116 -> 0.1077 ms on the Llama-3-8B shape); the budget plan's codes lost with it (0.244
     # -> 0.249 ms). A far check that fails (below) sends the near tiles to the edge loop too
     NEAR_FIRST: tl.constexpr = WINDOWED and K_BITS == 16 and V_BITS == 16
     for phase in tl.static_range(2):

@@ -5,17 +5,8 @@
 backend="inductor" compiles any graph: the matmuls, norms and elementwise work around the latent ops are
 fused and tuned, and the latent ops stay opaque calls to their implementations. On CPU the graph runs as
 rewritten unless `inductor=True`.
-
-On CUDA, the Triton kernels decode head-wise latents (a block of channels per KV head) at up to 1.9x SDPA's speed over
-a full cache, but latents shared by several KV heads (joint or group schemes) many times slower, since each KV head
-rebuilds its keys from every channel of its block: the compiled model says so (`SharedLatentsWarning`).
 """
-import re
-import warnings
-
 import torch
-
-from lrkv_compile.errors import SharedLatentsWarning
 
 
 def choose_kernels(gm: torch.fx.GraphModule, kernels: str) -> None:
@@ -32,14 +23,11 @@ def lower(gm: torch.fx.GraphModule, example_inputs, kernels: str = "auto", induc
     torch.compile(mode=...) sets Inductor up: "reduce-overhead" replays CUDA graphs) when `inductor` (None: when
     the graph's tensors are on CUDA, or a mode other than "default" is asked for), else its own forward."""
     choose_kernels(gm, kernels)
-    on_cuda = any(isinstance(value, torch.Tensor) and value.is_cuda for value in example_inputs)
     if inductor is None:
-        inductor = mode != "default" or on_cuda
+        inductor = mode != "default" or any(isinstance(value, torch.Tensor) and value.is_cuda
+                                            for value in example_inputs)
     if kernels != "reference":
         _prepare_kernels(gm)
-        shared = shared_latents(gm) if on_cuda else []
-        if shared:
-            warnings.warn(shared_latents_message(shared), SharedLatentsWarning, stacklevel=2)
     if not inductor:
         return gm.forward
     from torch._inductor import list_mode_options
@@ -62,43 +50,6 @@ def _prepare_kernels(gm: torch.fx.GraphModule) -> None:
         if up_k is not None and up_k.is_cuda:
             from . import triton_decode  # needs triton, which CPU-only installs may lack
             triton_decode.prepare(up_k, up_v, node.kwargs["num_kv_heads"], node.kwargs.get("rope_window", 0))
-
-
-def shared_latents(gm: torch.fx.GraphModule) -> list:
-    """(site, side, blocks, KV heads) of every latent_attention call of `gm` whose key or value latents are shared by
-    several KV heads: fewer diagonal blocks in the side's factor (a buffer of the graph) than KV heads. An absorbed
-    value path (no up_v) is not counted."""
-    from . import triton_decode  # diagonal_blocks; needs triton, which CPU-only installs may lack
-    buffers = dict(gm.named_buffers())
-    found = []
-    for node in gm.graph.nodes:
-        if node.target is not torch.ops.lrkv.latent_attention.default:
-            continue
-        kv_heads = node.kwargs["num_kv_heads"]
-        for side in ("k", "v"):
-            factor = node.kwargs.get(f"up_{side}")
-            tensor = buffers.get(factor.target) if isinstance(factor, torch.fx.Node) and factor.op == "get_attr" \
-                else None
-            if tensor is None or kv_heads == 1:
-                continue
-            blocks = triton_decode.diagonal_blocks(tensor, kv_heads)
-            if blocks < kv_heads:
-                site = re.search(r"site(\d+)", factor.target)
-                found.append((int(site.group(1)) if site else factor.target, side.upper(), blocks, kv_heads))
-    return found
-
-
-def shared_latents_message(shared: list) -> str:
-    """The warning for `shared_latents`' sides, with the measurement behind it and the fix."""
-    sites = sorted({site for site, *_ in shared}, key=str)
-    sides = sorted({f"{side}: {blocks} block(s) for {kv_heads} KV heads" for _, side, blocks, kv_heads in shared})
-    return (f"lrkv: {len(sites)} attention site(s) (layers {', '.join(map(str, sites[:8]))}"
-            f"{', ...' if len(sites) > 8 else ''}) keep latents shared by several KV heads ({'; '.join(sides)}): "
-            "the GPU decode kernel rebuilds each KV head's keys from every channel of its block, so such a plan "
-            "decodes many times slower than a head-wise one (H100, Llama-3-8B shape, 16K tokens, batch 16: joint "
-            "keep 0.25 at 0.17x the speed of SDPA over the full cache, head-wise keep 0.25 at 2.66x; "
-            "benchmarks/attention.py). For GPU decoding calibrate with scheme='head' "
-            "(`lrkv calibrate --scheme head`)")
 
 
 def _name_the_factors(gm: torch.fx.GraphModule) -> None:

@@ -86,11 +86,12 @@ def cmd_eval(args):
     # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
     plan_options = dict(context=args.length, sinks=args.sinks, window=args.window, rope_window=args.rope_window,
                         scheme=args.scheme)
-    plans = [(f"lrkv budget {budget} ({args.method})",
+    scheme = "" if args.scheme == "joint" else f" {args.scheme}"  # in the rows' and saved plans' names
+    plans = [(f"lrkv budget {budget}{scheme} ({args.method})",
               lambda budget=budget: lrkv.calibrate(model, calibration if args.method == "learned" else None, stats=stats,
                                                    budget=budget, method=args.method, **plan_options))
              for budget in args.budgets]
-    plans += [(f"lrkv {text}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
+    plans += [(f"lrkv {text}{scheme}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
                                                                 **plan_options, **_setting(text)))
               for text in args.plans]
     for name, make_plan in plans:
@@ -294,10 +295,10 @@ def _plan_arguments(parser):
     parser.add_argument("--rope-window", type=int, default=0,
                         help="windowed RoPE: tokens this far or further behind the query are scored as if exactly "
                              "this far, which lets the GPU kernel skip rebuilding their keys (0: exact RoPE)")
-    parser.add_argument("--scheme", choices=("joint", "head", "group", "hybrid"), default="joint",
+    parser.add_argument("--scheme", choices=("joint", "head", "hybrid"), default="joint",
                         help="how latents split over KV heads: joint (one block for all, the best per byte), head "
-                             "(a block per KV head: the one the GPU kernels decode fast), group (blocks of 4 heads), "
-                             "hybrid (head-wise keys, joint values)")
+                             "(a block per KV head: the one the GPU kernels decode fast), hybrid (head-wise keys, "
+                             "joint values)")
 
 
 def main(argv=None):

@@ -35,6 +35,7 @@ class LrkvWarning(UserWarning):
     Dynamo fallback); `warnings.simplefilter("error", lrkv.LrkvWarning)` turns them into errors."""
 
 
-class SharedLatentsWarning(LrkvWarning):
-    """A plan runs on the GPU kernels with latents that several KV heads share (joint or group schemes), which they
-    decode many times slower than head-wise latents; the message names the sites and the head-wise fix."""
+class SharedLatentsWarning(UserWarning):
+    """The GPU decode kernel reads latents that several KV heads share (joint or group schemes, a hybrid plan's joint
+    values), each KV head every channel of its block: many times slower than head-wise latents. The results are the
+    plan's, so it is not an LrkvWarning; the message names the head-wise fix."""

@@ -12,6 +12,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything: the kernels then run on CPU tensors
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
+from lrkv_compile.errors import SharedLatentsWarning  # noqa: E402
 from lrkv_compile.lowering import reference, triton_decode, triton_prefill, triton_write  # noqa: E402
 from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
@@ -189,6 +190,32 @@ BASE = dict(batch=2, kv_heads=2, group_heads=4, head_dim=64, dtype=torch.float32
             absorb=False)
 
 
+@pytest.mark.parametrize("k_blocks, v_blocks, absorb, warned", [
+    (1, 1, False, {"key", "value"}),  # joint
+    (2, 2, False, set()),              # head-wise
+    (2, 1, False, {"value"}),         # hybrid: head-wise keys, joint values
+    (1, 1, True, {"key"}),             # joint, values absorbed (read whole per KV head whatever the scheme)
+], ids=["joint", "head", "hybrid", "joint absorbed"])
+def test_the_kernel_warns_once_of_latents_that_kv_heads_share(k_blocks, v_blocks, absorb, warned, monkeypatch):
+    """Latents that several KV heads share (fewer diagonal blocks in a factor than KV heads) cost each KV head every
+    channel of the block: the decode launcher says so once per process and kind, with the head-wise fix, and its
+    result is still the reference's. Head-wise latents give no warning."""
+    import warnings
+
+    monkeypatch.setattr(triton_decode, "_WARNED_SHARED", set())
+    kwargs = build_case(**{**BASE, "k_blocks": k_blocks, "v_blocks": v_blocks, "absorb": absorb,
+                           "k_block_rank": 64 // k_blocks, "v_block_rank": 128 // v_blocks, "length": 40,
+                           "sinks": 0, "window": 0})
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check(kwargs)
+        said = [str(w.message) for w in caught if issubclass(w.category, SharedLatentsWarning)]
+        assert len(said) == (len(warned) if step == 0 else 0), said
+        assert {text.split(" latents")[0].rsplit(" ", 1)[-1] for text in said} == (warned if step == 0 else set())
+        assert all("2 KV heads share (1 block(s) for 2 KV heads" in text and "scheme='head'" in text for text in said)
+
+
 def test_the_attention_op_passes_opcheck():
     """lrkv::latent_attention is defined through the low-level torch.library API (`ops._direct_op`): its schema,
     fake and dispatch pass PyTorch's own op checks (on the GPU on the kernel, else on the reference)."""
@@ -255,17 +282,21 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("edited", ["near", "far", "near, early", "jump back"])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("ahead", [False, True], ids=["positions in the tile", "positions a tile ahead"])
-def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, edited, splits, ahead, monkeypatch):
+@pytest.mark.parametrize("ahead, bits", [(False, 16), (True, 16), (False, 4)],
+                         ids=["positions in the tile", "positions a tile ahead", "codes"])
+def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, edited, splits, ahead, bits,
+                                                                          monkeypatch):
     """The far tiles before the window are guessed from each split's last position, as if the positions ran on, and
     read without a scan of their positions (16-bit latents: through tensor descriptors); the far loop checks them as
     it reads them. A slot edited to a recent position ("near": mid-row; "near, early": in the first tile), or a row
     whose positions jump back (its first 120 slots hold later positions than the query's), makes its split start
-    over with every tile reading its positions, the near tiles it read before its far ones included; a slot edited to an older position ("far") scores against its
-    latent like its neighbours. One split, and three (the last one reaching into the window); the far loop reading
-    each tile's positions with its latents, and a tile ahead (`DecodeConfig.positions_ahead`)."""
+    over with every tile reading its positions (over 16-bit latents the near tiles, read before the far ones,
+    included); a slot edited to an older position ("far") scores against its latent like its neighbours. One split,
+    and three (the last one reaching into the window); the far loop reading each tile's positions with its
+    latents, and a tile ahead (`DecodeConfig.positions_ahead`); 16-bit latents (near tiles first) and 4-bit codes
+    (far tiles first)."""
     monkeypatch.setattr(triton_decode, "_splits", lambda *args: splits)
-    kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
+    kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": bits, "v_bits": bits, "sinks": 0, "window": 0,
                            "mask": "none", "padding": False, "length": 400, "rope_window": 90,
                            "start_position": 2000})
     positions = kwargs["positions"]

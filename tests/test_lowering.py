@@ -46,76 +46,27 @@ def test_a_fake_reads_the_arguments_the_op_binds_by_name():
     assert out.shape == latent.shape and out.dtype == latent.dtype
 
 
-def _lowered(monkeypatch, model, plan, batch, tokens, cache_len):
-    """(graph, example inputs) of every graph the backend lowers for one compiled forward of `tokens` random ids
-    per row into a fresh LatentCache."""
-    from lrkv_compile import backend
-
-    lowered, lower = [], backend.lower
-    def spy(gm, inputs, *args):
-        lowered.append((gm, inputs))
-        return lower(gm, inputs, *args)
-    monkeypatch.setattr(backend, "lower", spy)
-    cache = lrkv.LatentCache(model, plan, max_batch_size=batch, max_cache_len=cache_len)
-    with torch.no_grad():
-        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (batch, tokens)), **{cache_keyword(model): cache},
-                                  use_cache=True)
-    return lowered
-
-
 def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypatch):
     """Making a plan traces the model (here at RankPlan.uniform's own batch); the compiled model's first step, at
     batch 3 with a 24-slot cache, is still compiled for those sizes. Dynamo's automatic dynamic shapes remember the
     sizes a function ran at by its name, so traces run a forward copy named apart from lrkv.compile's (else its
     first graph is symbolic in batch and cache sizes: twice the compile time for a 32-layer model)."""
+    from lrkv_compile import backend
+
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
     plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)
     lrkv.explain(model, plan, show=False)  # one more trace, at its own sizes
-    seen = [inputs for _, inputs in _lowered(monkeypatch, model, plan, batch=3, tokens=1, cache_len=24)]
+    seen, lower = [], backend.lower
+    monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: seen.append(inputs) or lower(gm, inputs, *args))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=3, max_cache_len=24)
+    with torch.no_grad():
+        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (3, 1)), **{cache_keyword(model): cache},
+                                  use_cache=True)
     assert len(seen) == 1
     symbolic = [value for value in seen[0] if isinstance(value, torch.SymInt)
                 or isinstance(value, torch.Tensor) and not all(isinstance(size, int) for size in value.shape)]
     assert not symbolic, f"{len(symbolic)} symbolic inputs: {symbolic[:3]}"
-
-
-@pytest.mark.parametrize("scheme", ["joint", "group", "hybrid", "head"])
-def test_latents_shared_by_kv_heads_are_named_for_the_gpu_warning(scheme, monkeypatch):
-    """`lower.shared_latents` finds the sides whose latents several KV heads share (joint: one block for all four,
-    group: blocks of two, hybrid: its joint values), from the factors the rewrite registered; the warning a CUDA
-    compile gives names those sites, what is shared, and the head-wise fix. Head-wise latents give none."""
-    from lrkv_compile.lowering import lower
-
-    model = build_model(dict(num_key_value_heads=4, num_attention_heads=8, head_dim=16, hidden_size=64,
-                             attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
-    plan = lrkv.RankPlan.uniform(model, keep=0.5, scheme=scheme, group_size=2, progress=False)
-    graphs = [gm for gm, _ in _lowered(monkeypatch, model, plan, batch=1, tokens=3, cache_len=8)]
-    shared = [found for gm in graphs for found in lower.shared_latents(gm)]
-    expected = {"joint": {("K", 1), ("V", 1)}, "group": {("K", 2), ("V", 2)}, "hybrid": {("V", 1)}, "head": set()}
-    assert {(side, blocks) for _, side, blocks, _ in shared} == expected[scheme]
-    assert sorted({site for site, *_ in shared}) == ([] if scheme == "head" else [0, 1])
-    if shared:
-        message = lower.shared_latents_message(shared)
-        assert "layers 0, 1" in message and "for 4 KV heads" in message and "--scheme head" in message
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the warning is for the GPU kernels; on CPU "
-                    "test_latents_shared_by_kv_heads_are_named_for_the_gpu_warning checks what it reports")
-def test_a_joint_plan_compiled_on_cuda_warns_that_it_decodes_slowly():
-    """On CUDA with the Triton kernels, a joint plan's compile gives a SharedLatentsWarning; a head-wise one none."""
-    import warnings
-
-    model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
-                             attention_bias=False, num_hidden_layers=1, dtype=torch.float16, seed=0)).cuda()
-    for scheme in ("joint", "head"):
-        plan = lrkv.RankPlan.uniform(model, keep=0.5, scheme=scheme, progress=False)
-        cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=16)
-        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-            warnings.simplefilter("always")
-            lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (1, 3), device="cuda"),
-                                      **{cache_keyword(model): cache}, use_cache=True)
-        shared = [w for w in caught if issubclass(w.category, lrkv.SharedLatentsWarning)]
-        assert bool(shared) == (scheme == "joint"), [str(w.message) for w in caught]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; on CPU the first test runs "

@@ -90,7 +90,8 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
     main(["calibrate", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--budget", "0.3",
           "--scheme", "head", "--rows", "2", "--length", "64", "-o", str(tmp_path / "head.safetensors")])
     head = lrkv.RankPlan.load(tmp_path / "head.safetensors")  # the scheme the GPU kernels decode fast
-    assert {(site.k_scheme, site.v_scheme, site.k_blocks, site.v_blocks) for site in head.sites} == {("head", "head", 4, 4)}
+    assert {(site.k_scheme, site.v_scheme, site.k_blocks, site.v_blocks)
+            for site in head.sites} == {("head", "head", 4, 4)}
     assert head.budget <= 0.3
     main(["inspect", str(tmp_path / "plan.safetensors"), "--plot", str(tmp_path / "plan.png")])
     assert (tmp_path / "plan.png").stat().st_size > 10_000
@@ -101,7 +102,7 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
           "--quanto-bits", "4", "--calib-rows", "2", "--eval-rows", "2", "--length", "64", "--score", "16",
           "--passkeys", "2", "--passkey-context", "96", "128", "--json", str(tmp_path / "eval.json"),
           "--scheme", "head", "--save-plans", str(tmp_path / "plans")])
-    saved = lrkv.RankPlan.load(tmp_path / "plans" / "lrkv-budget-0.3.safetensors")
+    saved = lrkv.RankPlan.load(tmp_path / "plans" / "lrkv-budget-0.3-head.safetensors")
     assert {(site.k_scheme, site.v_scheme) for site in saved.sites} == {("head", "head")}
     rows = json.loads((tmp_path / "eval.json").read_text())
     assert [row["kind"] for row in rows] == ["full", "QuantizedCache", "lrkv"]
