@@ -91,8 +91,9 @@ def cmd_eval(args):
               lambda budget=budget: lrkv.calibrate(model, calibration if args.method == "learned" else None, stats=stats,
                                                    budget=budget, method=args.method, **plan_options))
              for budget in args.budgets]
-    plans += [(f"lrkv {text}{scheme}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group, progress=False,
-                                                                **plan_options, **_setting(text)))
+    plans += [(f"lrkv {text}{scheme}", lambda text=text: lrkv.calibrate(model, stats=stats, group=args.group,
+                                                                        progress=False, **plan_options,
+                                                                        **_setting(text)))
               for text in args.plans]
     for name, make_plan in plans:
         plan = make_plan()
