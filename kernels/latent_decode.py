@@ -14,8 +14,8 @@ tile across the window's edge run after the others in a loop of their own, so th
 them (one loop holding both kinds of tile took 0.147 ms where the two take 0.130: keep 0.25, Llama-3-8B shape, 16K,
 batch 16, H100). Windowed RoPE's far tiles of unquantized (16-bit) latents come whole and unmasked by the tensor
 memory accelerator where the launcher passes tensor descriptors, k_desc and v_desc: 2-5% faster there on an H100,
-while the tiles whose keys are rebuilt were slower that way. A last tile that is not whole then goes to the edge
-loop. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software pipeline). This
+while the tiles whose keys are rebuilt were slower that way. A last tile that is not whole then goes with the near
+tiles (masked), or with the edge tiles where it is far. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software pipeline). This
 step's token comes from its exact latents last. Partial (max, sum, context) per split go to small buffers
 [batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes them through B_v in the
 same launch (`combine_splits_kernel` where the output projection absorbed B_v).
@@ -401,10 +401,10 @@ def latent_decode_kernel(
     mid_lo = tl.minimum(s_lo + tl.cdiv(tl.maximum(low - s_lo, 0), BLOCK_S) * BLOCK_S, cached_hi)
     mid_hi = tl.where(high >= cached_hi, cached_hi, s_lo + tl.maximum(high - s_lo, 0) // BLOCK_S * BLOCK_S)
     mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), cached_hi)  # empty where the split holds no cached slot
-    if (k_desc is not None) or (v_desc is not None):
-        # whole tiles: a last partial tile goes with the edge tiles, so every tile of the loops below lies below
-        # mid_hi (the far ones read unmasked from k_desc, v_desc)
-        mid_hi = mid_lo + (mid_hi - mid_lo) // BLOCK_S * BLOCK_S
+    DESCRIPTORS: tl.constexpr = (k_desc is not None) or (v_desc is not None)
+    whole_hi = mid_hi  # the far tiles, read whole and unmasked from k_desc, v_desc, end here or before
+    if DESCRIPTORS:
+        whole_hi = mid_lo + (mid_hi - mid_lo) // BLOCK_S * BLOCK_S
     pos_row = pos_ptr + b * pos_sb
     # windowed RoPE: the slots far from this step's position, guessed from the last position of the middle range
     # (pos[mid_hi - 1]) as if the positions ran on from mid_lo, need no scan: [mid_lo, spec_hi) in whole tiles (the
@@ -452,6 +452,13 @@ def latent_decode_kernel(
     if WINDOWED:
         across = (rebuild_lo < mid_hi) & (query_at - (first + (rebuild_lo - run_lo)) >= rope_window)
         near_lo = tl.where(across, rebuild_lo + BLOCK_S, rebuild_lo)  # tiles from run_lo end at mid_hi or before
+    # the edge loop's last tiles: [tail_lo, cached_hi). With descriptors, a last tile that is not whole goes with the
+    # near tiles where it is near (their loop masks it; it had taken the edge loop's sine per slot: keep 0.25 w1024
+    # 0.1084 -> 0.1075 ms on the Llama-3-8B shape, 16K, batch 16, H100) and with the edge tiles where it is far
+    tail_lo = mid_hi
+    if DESCRIPTORS:
+        tail_lo = tl.where(rebuild_lo > whole_hi, whole_hi, mid_hi)
+        rebuild_lo = tl.minimum(rebuild_lo, whole_hi)
     # two phases: the run's tiles from near_lo (keys rebuilt) and windowed RoPE's far tiles. NEAR_FIRST (16-bit
     # latents): the near tiles first, so that the splits holding the window rebuild its keys while the others
     # stream far tiles, rather than at the end, when nothing else keeps the memory busy (H100, 16K, batch 16:
@@ -528,16 +535,16 @@ def latent_decode_kernel(
                 m_i = tl.full([G_PAD], float("-inf"), tl.float32)
                 sums = tl.zeros([BLOCK_S, G_PAD], tl.float32)
                 acc = tl.zeros(acc.shape, tl.float32)
-                far_lo, rebuild_lo, near_lo = mid_hi, mid_hi, mid_hi
+                far_lo, rebuild_lo, near_lo, tail_lo = mid_hi, mid_hi, mid_hi, mid_hi
     # the other tiles, each with its own positions and queries turned by its first one: [s_lo, far_lo) (the edge
     # tiles that may hold exact sink copies, then those before the run: at left padding, the pads' tiles; after the
-    # far loop's check failed, every tile up to mid_hi), the tile
-    # across the window's edge [rebuild_lo, near_lo), and [mid_hi, cached_hi) (those that may hold window copies)
+    # far loop's check failed, every tile up to mid_hi), the tile across the window's edge [rebuild_lo, near_lo),
+    # and [tail_lo, cached_hi) (those that may hold window copies; with descriptors, a last far tile not whole)
     first_edge = tl.cdiv(tl.maximum(far_lo - s_lo, 0), BLOCK_S)  # far_lo is a tile boundary, or mid_hi = cached_hi
     across_edge = first_edge + (near_lo - rebuild_lo) // BLOCK_S
-    for tile in range(0, across_edge + tl.cdiv(cached_hi - mid_hi, BLOCK_S)):
+    for tile in range(0, across_edge + tl.cdiv(cached_hi - tail_lo, BLOCK_S)):
         t0 = tl.where(tile < first_edge, s_lo + tile * BLOCK_S,
-                      tl.where(tile < across_edge, rebuild_lo, mid_hi + (tile - across_edge) * BLOCK_S))
+                      tl.where(tile < across_edge, rebuild_lo, tail_lo + (tile - across_edge) * BLOCK_S))
         start = tl.load(pos_row + t0)
         pos = tl.load(pos_row + t0 + delta, mask=t0 + delta < cached_hi, other=0)
         if WINDOWED:

@@ -340,9 +340,9 @@ def test_windowed_rope_where_the_window_edge_falls(dtype, rope_window, edge):
 @pytest.mark.parametrize("length, rope_window", [(219, 40), (219, 1), (75, 1)])
 def test_far_tiles_of_16_bit_latents_through_the_tensor_memory_accelerator(dtype, length, rope_window, monkeypatch):
     """16-bit head-wise latents, windowed RoPE: the whole far tiles come by tensor descriptors (unmasked whole tiles),
-    a last partial tile goes with the edge tiles; the reference's result, as through pointer loads, whether the
-    far tiles end before the run's end or at it (every slot far: the partial last tile then follows them), over
-    several splits (16-slot tiles) and in one."""
+    a last partial tile goes with the near tiles where it is near and with the edge tiles where it is far; the
+    reference's result, as through pointer loads, whether the far tiles end before the run's end or at it (every
+    slot far: the partial last tile then follows them), over several splits (16-slot tiles) and in one."""
     taken = []
     made = triton_decode.tile_descriptor
     monkeypatch.setattr(triton_decode, "tile_descriptor",
