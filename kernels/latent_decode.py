@@ -15,8 +15,9 @@ them (one loop holding both kinds of tile took 0.147 ms where the two take 0.130
 batch 16, H100). Windowed RoPE's far tiles of unquantized (16-bit) latents come whole and unmasked by the tensor
 memory accelerator where the launcher passes tensor descriptors, k_desc and v_desc: 2-5% faster there on an H100,
 while the tiles whose keys are rebuilt were slower that way. A last tile that is not whole then goes with the near
-tiles (masked), or with the edge tiles where it is far. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software pipeline). This
-step's token comes from its exact latents last. Partial (max, sum, context) per split go to small buffers
+tiles (masked) where its positions run on and are near, else with the edge tiles. Packed key codes' scales are
+loaded a tile ahead (2-byte loads stay out of the software pipeline). This step's token comes from its exact latents
+last. Partial (max, sum, context) per split go to small buffers
 [batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes them through B_v in the
 same launch (`combine_splits_kernel` where the output projection absorbed B_v).
 
@@ -451,14 +452,17 @@ def latent_decode_kernel(
     near_lo = rebuild_lo
     if WINDOWED:
         across = (rebuild_lo < mid_hi) & (query_at - (first + (rebuild_lo - run_lo)) >= rope_window)
-        near_lo = tl.where(across, rebuild_lo + BLOCK_S, rebuild_lo)  # tiles from run_lo end at mid_hi or before
+        near_lo = tl.where(across, rebuild_lo + BLOCK_S, rebuild_lo)  # past mid_hi where that tile is the last
     # the edge loop's last tiles: [tail_lo, cached_hi). With descriptors, a last tile that is not whole goes with the
-    # near tiles where it is near (their loop masks it; it had taken the edge loop's sine per slot: keep 0.25 w1024
-    # 0.1084 -> 0.1075 ms on the Llama-3-8B shape, 16K, batch 16, H100) and with the edge tiles where it is far
+    # near tiles where its positions run on and are near (their loop masks it; it had taken the edge loop's sine per
+    # slot: keep 0.25 w1024 0.1084 -> 0.1075 ms on the Llama-3-8B shape, 16K, batch 16, H100), else with the edge
+    # tiles: as the tile across the window's edge, or from tail_lo where it is far or off the run (run_lo = mid_hi:
+    # the first part of the edge loop then stops at whole_hi, so that it does not take the tile twice)
     tail_lo = mid_hi
     if DESCRIPTORS:
         tail_lo = tl.where(rebuild_lo > whole_hi, whole_hi, mid_hi)
         rebuild_lo = tl.minimum(rebuild_lo, whole_hi)
+        far_lo = tl.minimum(far_lo, whole_hi)
     # two phases: the run's tiles from near_lo (keys rebuilt) and windowed RoPE's far tiles. NEAR_FIRST (16-bit
     # latents): the near tiles first, so that the splits holding the window rebuild its keys while the others
     # stream far tiles, rather than at the end, when nothing else keeps the memory busy (H100, 16K, batch 16:

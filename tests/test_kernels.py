@@ -367,6 +367,31 @@ def test_far_tiles_of_16_bit_latents_through_the_tensor_memory_accelerator(dtype
     assert taken and {descriptor.base.data_ptr() for descriptor in taken} == {kwargs["latent_v"].data_ptr()}
 
 
+@pytest.mark.parametrize("case", ["pads ending inside it", "a position edited inside it", "the window's edge inside it",
+                                  "the window's edge at its first slot"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_partial_last_tile_beside_far_tiles_read_by_tensor_descriptors(case, splits, monkeypatch):
+    """16-bit latents, windowed RoPE, far tiles through tensor descriptors (the far loop reads whole tiles only): the
+    last tile, not whole, goes with the near tiles where its positions run on and are near, else with the edge tiles,
+    once. Pads that end inside it or a slot in it edited to an older position put it off the run of consecutive
+    positions (it went to the edge loop twice in a first form of this rule); the window's edge falls inside it or on
+    its first slot. 16-slot tiles; NaN past the length, where a whole tile read would reach."""
+    monkeypatch.setattr(triton_decode, "_splits", lambda *args: splits)
+    padded = case == "pads ending inside it"
+    length, rope_window = (219, 5 if case == "the window's edge inside it" else 11) if "edge" in case else (100, 40)
+    kwargs = build_case(**{**BASE, "dtype": torch.float32, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
+                           "mask": "bool" if padded else "none", "padding": padded,
+                           "pads": [97, 0] if padded else None, "length": length, "spare": 20,
+                           "rope_window": rope_window, "start_position": 3000})
+    if case == "a position edited inside it":
+        kwargs["positions"][:, 97] = 7
+    for name in ("latent_k", "latent_v"):
+        kwargs[name][:, length:] = float("nan")
+    config = triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1)
+    check(kwargs, config)
+    check(kwargs, dataclasses.replace(config, tma=False))
+
+
 @pytest.mark.parametrize("kv_heads, v_block_rank", [(2, 128), (3, 64), (3, 32)])
 @pytest.mark.parametrize("rope_window", [0, 100])
 def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads, v_block_rank):
