@@ -392,6 +392,26 @@ def test_a_partial_last_tile_beside_far_tiles_read_by_tensor_descriptors(case, s
     check(kwargs, dataclasses.replace(config, tma=False))
 
 
+@pytest.mark.parametrize("k_blocks, k_block_rank", [(2, 32), (1, 64)], ids=["head-wise keys", "joint keys"])
+@pytest.mark.parametrize("pads", [[97, 0], [5, 60]])
+def test_sixteen_bit_keys_by_descriptors_beside_value_codes_with_exact_copies(k_blocks, k_block_rank, pads,
+                                                                               monkeypatch):
+    """16-bit keys beside 4-bit value codes with exact sink and window copies, windowed RoPE: only the keys come by
+    tensor descriptor, the far tiles come before the near ones (codes' order), and the middle range stops short of
+    the window's exact copies; left padding ending inside the last partial tile or early; one split and three."""
+    taken = []
+    made = triton_decode.tile_descriptor
+    monkeypatch.setattr(triton_decode, "tile_descriptor",
+                        lambda side, block_s: taken.append(made(side, block_s)) or taken[-1])
+    kwargs = build_case(**{**BASE, "k_blocks": k_blocks, "k_block_rank": k_block_rank, "k_bits": 16, "v_bits": 4,
+                           "sinks": 4, "window": 8, "mask": "bool", "padding": True, "pads": pads, "length": 100,
+                           "rope_window": 30, "start_position": 3000})
+    for splits in (1, 3):
+        monkeypatch.setattr(triton_decode, "_splits", lambda *args, splits=splits: splits)
+        check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
+    assert {descriptor.base.data_ptr() for descriptor in taken} == {kwargs["latent_k"].data_ptr()}
+
+
 @pytest.mark.parametrize("kv_heads, v_block_rank", [(2, 128), (3, 64), (3, 32)])
 @pytest.mark.parametrize("rope_window", [0, 100])
 def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads, v_block_rank):
