@@ -3,7 +3,7 @@
 measured in the same run. Llama-2-7B (32 x 128, MHA) and Llama-3-8B (32 query / 8 KV heads) attention shapes; one
 layer; random orthonormal factors; caches written by the reference write op (the real layout).
 
-    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--out benchmarks/results]
+    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--extra-slots 17] [--out benchmarks/results]
     python benchmarks/attention.py --tiny [--sweep]   # the logic on CPU under Triton's interpreter (times mean nothing)
 
 Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
@@ -11,6 +11,9 @@ the full fp16 cache over the bytes lrkv reads: latents, scales and zero points, 
 reads over its time), copy_TBps, rope_window (the "w1024" plans: windowed RoPE beyond 1024 tokens, whose far
 slots score against their latents without rebuilding keys). The issue's target at context >= 16K: speedup >= 0.85 x bytes_ratio for 16-bit
 plans, >= 0.8 x for the budget plan. --sweep first times launch geometries at 16K and uses the fastest per plan.
+--extra-slots N adds N cached slots to every setting: the step sits at slot context - 1 with positions equal to
+slots, so at the default contexts a window of 1024 has its edge on a tile boundary (no tile across it), where a
+decode step meets such a tile in 63 of 64 positions; 17 puts the edge inside a tile.
 Writes benchmarks/results/attention-<gpu>.json; never asserts timings. --tiny runs every plan at a tiny shape on CPU
 under Triton's interpreter, each row checked against the reference op, windowed plans at a window that leaves far
 tiles (TINY_WINDOW), and writes nothing.
@@ -195,7 +198,11 @@ def main():
     parser.add_argument("--plans", nargs="*", default=[plan["plan"] for plan in PLANS])
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under Triton's interpreter")
+    parser.add_argument("--extra-slots", type=int, default=0,
+                        help="cached slots added to every setting (17: the window's edge inside a tile)")
     args = parser.parse_args()
+    if args.extra_slots < 0:
+        parser.error(f"--extra-slots {args.extra_slots}: a count of slots to add, 0 or more")
     plans = [plan for plan in PLANS if plan["plan"] in args.plans]
     if args.tiny:
         device, gpu, shapes, settings = torch.device("cpu"), "cpu", {"tiny": TINY_SHAPE}, TINY_SETTINGS
@@ -204,6 +211,7 @@ def main():
         device = torch.device("cuda")
         gpu = torch.cuda.get_device_name(device)
         shapes, settings = {name: SHAPES[name] for name in args.only}, SETTINGS
+    settings = [(batch, context + args.extra_slots) for batch, context in settings]
     copy = copy_tbps(device)
     print(f"{gpu}: device-to-device copy {copy:.2f} TB/s")
     sweep_at = settings[0] if args.tiny else (16, 16384)

@@ -41,11 +41,18 @@ def test_prefill_benchmark_runs_every_plan_against_the_reference_on_a_tiny_model
     assert all(row["relative_error"] is not None and row["relative_error"] < 2e-3 for row in rows)
 
 
-def test_attention_benchmark_sweeps_and_runs_every_plan_against_the_reference_on_a_tiny_shape():
-    result = subprocess.run([sys.executable, "benchmarks/attention.py", "--tiny", "--sweep"], cwd=ROOT,
+def test_attention_benchmark_refuses_a_negative_count_of_extra_slots():
+    result = subprocess.run([sys.executable, "benchmarks/attention.py", "--tiny", "--extra-slots", "-1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "--extra-slots -1: a count of slots to add, 0 or more" in result.stderr
+
+
+def test_attention_benchmark_sweeps_and_runs_every_plan_against_the_reference_on_a_tiny_shape():
+    result = subprocess.run([sys.executable, "benchmarks/attention.py", "--tiny", "--sweep", "--extra-slots", "3"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert {row["context"] for row in rows} == {203}  # 200 and the extra slots
     assert [row["plan"] for row in rows] == ["head keep 0.5", "head keep 0.25", "budget 0.2", "head keep 0.5 w1024",
                                              "head keep 0.25 w1024", "budget 0.2 w1024", "joint keep 0.5",
                                              "joint keep 0.25"]
