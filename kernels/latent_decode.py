@@ -543,7 +543,8 @@ def latent_decode_kernel(
     # the other tiles, each with its own positions and queries turned by its first one: [s_lo, far_lo) (the edge
     # tiles that may hold exact sink copies, then those before the run: at left padding, the pads' tiles; after the
     # far loop's check failed, every tile up to mid_hi), the tile across the window's edge [rebuild_lo, near_lo),
-    # and [tail_lo, cached_hi) (those that may hold window copies; with descriptors, a last far tile not whole)
+    # and [tail_lo, cached_hi) (those that may hold window copies; with descriptors, a last tile not whole that is
+    # far or off the run)
     first_edge = tl.cdiv(tl.maximum(far_lo - s_lo, 0), BLOCK_S)  # far_lo is a tile boundary, or mid_hi = cached_hi
     across_edge = first_edge + (near_lo - rebuild_lo) // BLOCK_S
     for tile in range(0, across_edge + tl.cdiv(cached_hi - tail_lo, BLOCK_S)):
