@@ -336,6 +336,15 @@ def test_windowed_rope_where_the_window_edge_falls(dtype, rope_window, edge):
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
+def _descriptors_taken(monkeypatch) -> list:
+    """The tensor descriptors the decode launcher makes from here on (`triton_decode.tile_descriptor`), as made."""
+    taken = []
+    made = triton_decode.tile_descriptor
+    monkeypatch.setattr(triton_decode, "tile_descriptor",
+                        lambda side, block_s: taken.append(made(side, block_s)) or taken[-1])
+    return taken
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("length, rope_window", [(219, 40), (219, 1), (75, 1)])
 def test_far_tiles_of_16_bit_latents_through_the_tensor_memory_accelerator(dtype, length, rope_window, monkeypatch):
@@ -343,10 +352,7 @@ def test_far_tiles_of_16_bit_latents_through_the_tensor_memory_accelerator(dtype
     a last partial tile goes with the near tiles where it is near and with the edge tiles where it is far; the
     reference's result, as through pointer loads, whether the far tiles end before the run's end or at it (every
     slot far: the partial last tile then follows them), over several splits (16-slot tiles) and in one."""
-    taken = []
-    made = triton_decode.tile_descriptor
-    monkeypatch.setattr(triton_decode, "tile_descriptor",
-                        lambda side, block_s: taken.append(made(side, block_s)) or taken[-1])
+    taken = _descriptors_taken(monkeypatch)
     kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": 16, "v_bits": 16, "v_block_rank": 32, "sinks": 0,
                            "window": 0, "mask": "none", "padding": False, "length": length, "spare": 20,
                            "rope_window": rope_window, "start_position": 4000})
@@ -367,10 +373,12 @@ def test_far_tiles_of_16_bit_latents_through_the_tensor_memory_accelerator(dtype
     assert taken and {descriptor.base.data_ptr() for descriptor in taken} == {kwargs["latent_v"].data_ptr()}
 
 
-@pytest.mark.parametrize("case", ["pads ending inside it", "a position edited inside it", "the window's edge inside it",
-                                  "the window's edge at its first slot"])
+@pytest.mark.parametrize("case, length, rope_window", [
+    ("pads ending inside it", 100, 40), ("a position edited inside it", 100, 40),
+    ("the window's edge inside it", 219, 5), ("the window's edge at its first slot", 219, 11)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_a_partial_last_tile_beside_far_tiles_read_by_tensor_descriptors(case, splits, monkeypatch):
+def test_a_partial_last_tile_beside_far_tiles_read_by_tensor_descriptors(case, length, rope_window, splits,
+                                                                         monkeypatch):
     """16-bit latents, windowed RoPE, far tiles through tensor descriptors (the far loop reads whole tiles only): the
     last tile, not whole, goes with the near tiles where its positions run on and are near, else with the edge tiles,
     once. Pads that end inside it or a slot in it edited to an older position put it off the run of consecutive
@@ -378,7 +386,6 @@ def test_a_partial_last_tile_beside_far_tiles_read_by_tensor_descriptors(case, s
     its first slot. 16-slot tiles; NaN past the length, where a whole tile read would reach."""
     monkeypatch.setattr(triton_decode, "_splits", lambda *args: splits)
     padded = case == "pads ending inside it"
-    length, rope_window = (219, 5 if case == "the window's edge inside it" else 11) if "edge" in case else (100, 40)
     kwargs = build_case(**{**BASE, "dtype": torch.float32, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
                            "mask": "bool" if padded else "none", "padding": padded,
                            "pads": [97, 0] if padded else None, "length": length, "spare": 20,
@@ -399,10 +406,7 @@ def test_sixteen_bit_keys_by_descriptors_beside_value_codes_with_exact_copies(k_
     """16-bit keys beside 4-bit value codes with exact sink and window copies, windowed RoPE: only the keys come by
     tensor descriptor, the far tiles come before the near ones (codes' order), and the middle range stops short of
     the window's exact copies; left padding ending inside the last partial tile or early; one split and three."""
-    taken = []
-    made = triton_decode.tile_descriptor
-    monkeypatch.setattr(triton_decode, "tile_descriptor",
-                        lambda side, block_s: taken.append(made(side, block_s)) or taken[-1])
+    taken = _descriptors_taken(monkeypatch)
     kwargs = build_case(**{**BASE, "k_blocks": k_blocks, "k_block_rank": k_block_rank, "k_bits": 16, "v_bits": 4,
                            "sinks": 4, "window": 8, "mask": "bool", "padding": True, "pads": pads, "length": 100,
                            "rope_window": 30, "start_position": 3000})
