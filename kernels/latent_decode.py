@@ -1,25 +1,24 @@
 """Triton decode attention over the latent cache: the `@triton.jit` code only (the launcher, with its checks and
 launch geometries, is `lowering/triton_decode.py`; the oracle is `lowering/reference.py`).
 
-One program per (batch row, KV head, split of the slots, chunk of value channels). Per tile of BLOCK_S slots it
-reads the key latents of the KV head's own block of channels (all channels for a dense `up_k`) as the reference
-reads them (`latent_tiles.py`: 16-bit, or codes unpacked and dequantized), rebuilds the keys on tensor cores with
-the head's block of `up_k` (accumulated and turned in float16 for float16 models: KEY_DTYPE), turns them to their
-positions and scores them against every query head of the KV head at once, transposed: scores [slots, G_PAD] =
-keys @ R(-p0)q, so the keys go from one product's accumulator into the next one's operand in registers. Online
-softmax in base 2 (the sums kept per slot, added over the slots once), p·C_v in latent space on tensor cores
-(for packed value codes as C_vᵀ p, the latent context held transposed: VALUES_FIRST below). The tiles that may
-hold exact sink or window copies, those before the run of consecutive positions below and, with windowed RoPE, the
-tile across the window's edge run after the others in a loop of their own, so the main loops carry no branch for
-them (one loop holding both kinds of tile took 0.147 ms where the two take 0.130: keep 0.25, Llama-3-8B shape, 16K,
-batch 16, H100). Windowed RoPE's far tiles of unquantized (16-bit) latents come whole and unmasked by the tensor
-memory accelerator where the launcher passes tensor descriptors, k_desc and v_desc: 2-5% faster there on an H100,
-while the tiles whose keys are rebuilt were slower that way. A last tile that is not whole then goes with the near
-tiles (masked) where its positions run on and are near, else with the edge tiles. Packed key codes' scales are
-loaded a tile ahead (2-byte loads stay out of the software pipeline). This step's token comes from its exact latents
-last. Partial (max, sum, context) per split go to small buffers
-[batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes them through B_v in the
-same launch (`combine_splits_kernel` where the output projection absorbed B_v).
+One program per (batch row, KV head, split of the slots, chunk of value channels). Per tile of BLOCK_S slots it reads
+the key latents of the KV head's own block of channels (all channels for a dense `up_k`) as the reference reads them
+(`latent_tiles.py`: 16-bit, or codes unpacked and dequantized), rebuilds the keys on tensor cores with the head's block
+of `up_k` (accumulated and turned in float16 for float16 models: KEY_DTYPE), turns them to their positions and scores
+them against every query head of the KV head at once, transposed: scores [slots, G_PAD] = keys @ R(-p0)q, so the keys go
+from one product's accumulator into the next one's operand in registers. Online softmax in base 2 (the sums kept per
+slot, added over the slots once), p·C_v in latent space on tensor cores (for packed value codes as C_vᵀ p, the latent
+context held transposed: VALUES_FIRST below). The tiles that may hold exact sink or window copies, those before the run
+of consecutive positions below and, with windowed RoPE, the tile across the window's edge (but see ACROSS_BOTH) run
+after the others in a loop of their own, so the main loops carry no branch for them (one loop holding both kinds of tile
+took 0.147 ms where the two take 0.130: keep 0.25, Llama-3-8B shape, 16K, batch 16, H100). Windowed RoPE's far tiles of
+unquantized (16-bit) latents come whole and unmasked by the tensor memory accelerator where the launcher passes tensor
+descriptors, k_desc and v_desc: 2-5% faster there on an H100, while the tiles whose keys are rebuilt were slower that
+way. A last tile that is not whole then goes with the near tiles (masked) where its positions run on and are near, else
+with the edge tiles. Packed key codes' scales are loaded a tile ahead (2-byte loads stay out of the software pipeline).
+This step's token comes from its exact latents last. Partial (max, sum, context) per split go to small buffers
+[batch*kv_heads, splits, group, channels]; `combine_project_kernel` reduces them and takes them through B_v in the same
+launch (`combine_splits_kernel` where the output projection absorbed B_v).
 
 RoPE at a slot's position p = p0 + δ (p0 the tile's first position): q·R(p0 + δ)k = R(-p0)q · R(δ)k. R(δ) for δ <
 BLOCK_S is a table made once per program, so no slot pays for a sine. A split first finds the tile boundary from which
@@ -31,7 +30,9 @@ tile whose positions are not consecutive (e.g. across the pads) turn on by the r
 windowed RoPE the slots far from this step's position need neither: the far tiles before the window are guessed from
 the last position of the split's middle range as if the positions ran on, read without a scan and checked as they are
 read (a split where one of them is near after all starts over in the edge loop; POSITIONS_AHEAD loads each tile's
-positions a tile ahead), and only the window's part of the split is scanned. Over 16-bit latents a split rebuilds
+positions a tile ahead), and only the window's part of the split is scanned. The tile across the window's edge,
+where it is whole, goes through both loops (ACROSS_BOTH), the far one scoring its far slots and the near one the
+others, rather than through the edge loop and its sine per slot. Over 16-bit latents a split rebuilds
 the window's keys before it reads its far tiles (NEAR_FIRST), so that this compute overlaps the other splits' reads.
 fl(p0 f) + fl(δ f) differs from the reference's fl(p f) by float32 rounding of the angle (~1e-4 rad at position 4K
 for the fastest frequency); fp32 models take each tile's own angle and correct that to first order (EXACT_ANGLES),
@@ -222,9 +223,10 @@ def _softmax_step(m_i, sums, scores, FAST_MATH: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, q1r, q2r, cos_delta, sin_delta,
-                 inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1,
-                 bias2, k_scale_ahead, k_zero_ahead, far_q, far_row, far_bias, v_cache, v_lo, v_hi, k_desc, v_desc,
+def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, length, b, q1r, q2r, cos_delta,
+                 sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr,
+                 col, bias1, bias2, k_scale_ahead, k_zero_ahead, far_q, far_row, far_bias, v_cache, v_lo, v_hi, k_desc,
+                 v_desc,
                  HALF: tl.constexpr, G_PAD: tl.constexpr,
                  K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                  K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
@@ -241,7 +243,9 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
     first position `start`), scored as keys @ [q1r; q2r] (R(-start)q, the G_PAD query columns), then acc += pᵀ C_v
     (acc [G_PAD, V_CHUNK]; VALUES_FIRST: acc += C_vᵀ p, acc [V_CHUNK, G_PAD]).
     ordered: the tile's positions are known to be start + δ (else each slot whose position is not turns on by the
-    rest of its angle). K_EXACT / V_EXACT: the tile may hold exact sink or window copies (latent_tile).
+    rest of its angle). cached_lo: the first slot it scores (None: t0), the ones before it read but not scored (the
+    tile across the window's edge in the near loop). K_EXACT / V_EXACT: the tile may hold exact sink or window copies
+    (latent_tile).
     k_scale_ahead, k_zero_ahead: the key codes' scales and zero points, loaded a tile ahead (None: loaded here).
     FAR (windowed RoPE, slots beyond the window): no key is rebuilt; scores = latents @ far_q, the queries turned
     to the window's offset and taken into latent space by the launcher ([K_BLOCK_RANK, G_PAD] at far_row, the
@@ -303,7 +307,10 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_hi, length, b, 
                 key1, key2 = key1 - rest * key2, key2 + rest * key1
         scores = _mm(key1, q1r, tl.zeros([BLOCK_S, G_PAD], tl.float32), DOT_DTYPE, IEEE)    # [BLOCK_S, G_PAD]
         scores = _mm(key2, q2r, scores, DOT_DTYPE, IEEE)
-    visible, additive = _visibility(mask, b, slots, slot_ok, MASK_KIND)
+    seen = slot_ok
+    if cached_lo is not None:
+        seen = seen & (slots >= cached_lo)
+    visible, additive = _visibility(mask, b, slots, seen, MASK_KIND)
     scores = tl.where(visible[:, None], scores * qk_scale + additive[:, None] * LOG2E, float("-inf"))
     m_i, sums, alpha, p = _softmax_step(m_i, sums, scores, FAST_MATH)
     values = latent_tile(v_cache, b, t0, slots, slot_ok, v_lo, v_hi, length, V_BITS, V_GROUP, V_FAST, V_EXACT,
@@ -336,7 +343,8 @@ def latent_decode_kernel(
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, VALUES_FIRST: tl.constexpr,
-        BLOCK_S: tl.constexpr, POSITIONS_AHEAD: tl.constexpr = False, CHECK_BLOCK: tl.constexpr = 1024):
+        BLOCK_S: tl.constexpr, POSITIONS_AHEAD: tl.constexpr = False, ACROSS_BOTH: tl.constexpr = False,
+        CHECK_BLOCK: tl.constexpr = 1024):
     """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
     [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
     which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
@@ -447,12 +455,21 @@ def latent_decode_kernel(
         # the far tiles: from mid_lo where the run starts at spec_hi (the usual case), else from run_lo (the tiles
         # before it go with the edge tiles)
         far_lo = tl.where(run_lo == spec_hi, mid_lo, run_lo)
-    # windowed RoPE: the tile across the window's edge (far slots from rebuild_lo, near ones after) goes with the edge
-    # tiles below, which turn each far slot to the edge; every slot from near_lo on is near
-    near_lo = rebuild_lo
+    # windowed RoPE: the tile across the window's edge (far slots from rebuild_lo, near ones from near_slot) goes
+    # through both loops where it is whole (ACROSS_BOTH), the far loop scoring its far slots and the near loop the
+    # others, else with the edge tiles below, which turn each far slot to the edge (H100, 16K, batch 16, a step whose
+    # edge falls inside a tile: keep 0.25 w1024 0.1098 -> 0.1083 ms on the Llama-3-8B shape, budget w1024 0.249 ->
+    # 0.246, Llama-2-7B budget w1024 0.995 -> 0.977); every slot from near_lo on is near
+    near_lo, near_seen = rebuild_lo, None
     if WINDOWED:
         across = (rebuild_lo < mid_hi) & (query_at - (first + (rebuild_lo - run_lo)) >= rope_window)
-        near_lo = tl.where(across, rebuild_lo + BLOCK_S, rebuild_lo)  # past mid_hi where that tile is the last
+        if ACROSS_BOTH:
+            near_slot = tl.minimum(run_lo + tl.maximum(count, 0), mid_hi)
+            both = across & (rebuild_lo + BLOCK_S <= whole_hi)
+            near_lo = tl.where(across & ~both, rebuild_lo + BLOCK_S, rebuild_lo)
+            near_seen = tl.where(both, near_slot, near_lo)
+        else:
+            near_lo = tl.where(across, rebuild_lo + BLOCK_S, rebuild_lo)  # past mid_hi where that tile is the last
     # the edge loop's last tiles: [tail_lo, cached_hi). With descriptors, a last tile that is not whole goes with the
     # near tiles where its positions run on and are near (their loop masks it; it had taken the edge loop's sine per
     # slot: keep 0.25 w1024 0.1084 -> 0.1075 ms on the Llama-3-8B shape, 16K, batch 16, H100), else with the edge
@@ -463,6 +480,10 @@ def latent_decode_kernel(
         tail_lo = tl.where(rebuild_lo > whole_hi, whole_hi, mid_hi)
         rebuild_lo = tl.minimum(rebuild_lo, whole_hi)
         far_lo = tl.minimum(far_lo, whole_hi)
+    far_hi, far_seen = rebuild_lo, rebuild_lo  # the far loop's tiles end at far_hi, the slots it scores at far_seen
+    if WINDOWED and ACROSS_BOTH:
+        far_hi = tl.where(both, rebuild_lo + BLOCK_S, rebuild_lo)
+        far_seen = tl.where(both, near_slot, rebuild_lo)
     # two phases: the run's tiles from near_lo (keys rebuilt) and windowed RoPE's far tiles. NEAR_FIRST (16-bit
     # latents): the near tiles first, so that the splits holding the window rebuild its keys while the others
     # stream far tiles, rather than at the end, when nothing else keeps the memory busy (H100, 16K, batch 16:
@@ -491,7 +512,7 @@ def latent_decode_kernel(
                     turned1, turned2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr,
                                                        GROUP_HEADS, G_PAD, HALF, HAS_ROPE, FAST_MATH)
                 m_i, sums, acc = _attend_tile(
-                    m_i, sums, acc, t0, pos, start, True, mid_hi, length, b, turned1.to(DOT_DTYPE),
+                    m_i, sums, acc, t0, pos, start, True, near_seen, mid_hi, length, b, turned1.to(DOT_DTYPE),
                     turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi,
                     k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero, 0.0, far_row, 0.0,
                     v_cache, v_lo, v_hi, None, None, HALF, G_PAD,
@@ -508,21 +529,21 @@ def latent_decode_kernel(
             latest = tl.zeros([BLOCK_S], tl.int32) + floor  # the latest position read, per lane
             k_scale, k_zero = None, None
             if AHEAD:
-                k_scale, k_zero = _key_scales(k_cache, b, far_lo, rebuild_lo, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
+                k_scale, k_zero = _key_scales(k_cache, b, far_lo, far_seen, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
                                               BLOCK_S)
             if POSITIONS_AHEAD:
-                pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < rebuild_lo, other=floor)
-            for t0 in range(far_lo, rebuild_lo, BLOCK_S):
+                pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < far_seen, other=floor)
+            for t0 in range(far_lo, far_hi, BLOCK_S):
                 if POSITIONS_AHEAD:  # the next tile's positions, so that the check below waits on no load
                     pos_here = pos_next
-                    pos_next = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < rebuild_lo,
+                    pos_next = tl.load(pos_row + t0 + BLOCK_S + delta, mask=t0 + BLOCK_S + delta < far_seen,
                                        other=floor)
                 next_scale, next_zero = None, None
                 if AHEAD:
-                    next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, rebuild_lo, k_lo, k_hi, K_GROUP,
+                    next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, far_seen, k_lo, k_hi, K_GROUP,
                                                         K_CHUNK, K_EVEN, BLOCK_S)
                 m_i, sums, acc = _attend_tile(
-                    m_i, sums, acc, t0, 0, 0, True, rebuild_lo, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr,
+                    m_i, sums, acc, t0, 0, 0, True, None, far_seen, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr,
                     qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2,
                     k_scale, k_zero, far_q, far_row, far_bias, v_cache, v_lo, v_hi, k_desc, v_desc, HALF, G_PAD,
                     K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
@@ -530,7 +551,7 @@ def latent_decode_kernel(
                     HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE,
                     BLOCK_S, True, VALUES_FIRST)
                 if not POSITIONS_AHEAD:
-                    pos_here = tl.load(pos_row + t0 + delta, mask=t0 + delta < rebuild_lo, other=floor)
+                    pos_here = tl.load(pos_row + t0 + delta, mask=t0 + delta < far_seen, other=floor)
                 latest = tl.maximum(latest, pos_here)
                 k_scale, k_zero = next_scale, next_zero
             if tl.max(latest, 0) > floor:
@@ -558,7 +579,7 @@ def latent_decode_kernel(
         qr1, qr2 = _turned_queries(query_ptr, q_sb, q_sh, b, h, start, inv_freq_ptr, GROUP_HEADS, G_PAD, HALF,
                                    HAS_ROPE, FAST_MATH)
         m_i, sums, acc = _attend_tile(
-            m_i, sums, acc, t0, pos, start, False, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
+            m_i, sums, acc, t0, pos, start, False, None, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
             cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr,
             up_k_sr, col, bias1, bias2, None, None, 0.0, far_row, 0.0, v_cache, v_lo, v_hi, None, None, HALF, G_PAD,
             K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,

@@ -38,13 +38,17 @@ class DecodeConfig:
     positions_ahead: windowed RoPE's far loop loads each tile's positions (which it checks) a tile ahead, so that the
     check waits on no load. On an H100 (16K, batch 16) it took keep 0.25 w1024 from 0.1143 to 0.1115 ms (Llama-3-8B
     shape) and from 0.4260 to 0.4190 (Llama-2-7B) in 64-slot tiles under the 168-register cap; the budget plan and
-    16-bit keep 0.5 lost with it (Llama-2-7B keep 0.5 w1024 0.718 -> 0.729 ms, budget 0.97 -> 1.00)."""
+    16-bit keep 0.5 lost with it (Llama-2-7B keep 0.5 w1024 0.718 -> 0.729 ms, budget 0.97 -> 1.00).
+    across_both: windowed RoPE's tile across the window's edge goes through the far loop (its far slots) and the
+    near loop (the others) where it is whole, rather than through the loop of edge tiles, which turns each slot by
+    its own angle (latent_decode's ACROSS_BOTH; see WINDOWED_HALVES_MHA for where it is off)."""
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
     max_registers: Optional[int] = None
     tma: bool = True
     positions_ahead: bool = False
+    across_both: bool = True
 
 
 # the fastest of CANDIDATES on an H100 at 16K (benchmarks/attention.py --sweep): 255 registers, two programs per
@@ -56,9 +60,11 @@ DEFAULT_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registe
 # keep 0.25 w1024, two runs of benchmarks/attention.py, WINDOWED_HALVES then 128-slot tiles: Llama-2-7B 0.418 -> 0.403
 # ms at 16K and batch 16 (3.33x -> 3.43x SDPA), 0.145 -> 0.132 at 4K, 0.373 -> 0.371 at 64K and batch 4; Llama-3-8B
 # (4 query heads a KV head) lost with 128-slot tiles (0.110 -> 0.111 at 16K, 0.043 -> 0.045 at 4K, 0.111 -> 0.112 at
-# 64K)
+# 64K). The MHA geometry keeps the tile across the window's edge in the edge loop: through both loops its far loop
+# spilled 2 registers a tile and its near loop 22 (offline sm_90 compile, uncapped at 255), and Llama-2-7B keep 0.25
+# w1024 took 0.461-0.462 ms against 0.401 (H100, 16K, batch 16)
 WINDOWED_HALVES = DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=168, positions_ahead=True)
-WINDOWED_HALVES_MHA = DecodeConfig(block_s=128, num_warps=4, num_stages=3, positions_ahead=True)
+WINDOWED_HALVES_MHA = DecodeConfig(block_s=128, num_warps=4, num_stages=3, positions_ahead=True, across_both=False)
 CANDIDATES = (DEFAULT, DEFAULT_HALVES, WINDOWED_HALVES, WINDOWED_HALVES_MHA,
               DecodeConfig(block_s=64, num_warps=4, num_stages=3, max_registers=128),
               DecodeConfig(block_s=64, num_warps=4, num_stages=2),
@@ -129,7 +135,7 @@ def _geometry(kernel, arguments, constants, config, device, bf16_codes, interpre
     the compiled kernel does not fit (wide joint chunks); arguments(block_s): a launch's arguments, for the trial
     compile."""
     launch = dict(BLOCK_S=config.block_s, num_warps=config.num_warps, num_stages=config.num_stages,
-                  POSITIONS_AHEAD=config.positions_ahead)
+                  POSITIONS_AHEAD=config.positions_ahead, ACROSS_BOTH=config.across_both)
     if config.max_registers is not None and not interpret:
         launch.update(maxnreg=config.max_registers)
     try:
