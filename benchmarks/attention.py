@@ -228,7 +228,7 @@ def main():
                     chosen[(name, "head keep 0.5")] = results[0][1]
                 print(f"sweep {name} {plan['plan']}: " + ", ".join(
                     f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/{c.max_registers}r"
-                    + ("/ahead" if c.positions_ahead else "")
+                    + ("/ahead" if c.positions_ahead else "") + ("" if c.across_both else "/across-by-edge-loop")
                     for ms, c in results[:6]))
                 sweeps.append(dict(shape=name, plan=plan["plan"], results=[
                     dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))

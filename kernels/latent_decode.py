@@ -250,8 +250,9 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, 
     FAR (windowed RoPE, slots beyond the window): no key is rebuilt; scores = latents @ far_q, the queries turned
     to the window's offset and taken into latent space by the launcher ([K_BLOCK_RANK, G_PAD] at far_row, the
     first chunk of it in registers as far_q), plus far_bias (their product with the key bias).
-    k_desc, v_desc: tensor descriptors of 16-bit latents where every slot of the tile is below cached_hi (whole
-    tiles by the tensor memory accelerator, latent_tile), else None."""
+    k_desc, v_desc: tensor descriptors of 16-bit latents where every slot of the tile is a cached slot of the
+    middle range (whole tiles by the tensor memory accelerator, latent_tile; the tile across the window's edge is
+    read whole while only its slots below cached_hi are scored), else None."""
     ONE_K_CHUNK: tl.constexpr = K_BLOCK_RANK <= K_CHUNK
     delta = tl.arange(0, BLOCK_S)
     slots = t0 + delta

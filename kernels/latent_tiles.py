@@ -331,9 +331,9 @@ def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
     latents from int32 words (packed_tile), columns in packed_order; scale, zero: its groups' scales and zero
     points where the caller loaded them ahead (packed_scales). EVEN: every channel of the chunk is below
     ch_hi, so only the slots are masked and the loads stay wide. desc: 16-bit latents as a tensor descriptor
-    [batch, slots, width] with blocks [1, BLOCK_S, CHUNK], for a tile whose slots `first`.. are all below the
-    caller's bound and whose channels are all below ch_hi: loaded whole into shared memory by the tensor memory
-    accelerator, unmasked (None: pointer loads).
+    [batch, slots, width] with blocks [1, BLOCK_S, CHUNK], for a tile whose slots `first`.. are all cached slots
+    (the caller masks those it does not score) and whose channels are all below ch_hi: loaded whole into shared
+    memory by the tensor memory accelerator, unmasked (None: pointer loads).
     A tile holding exact copies (sinks, window) reads its codes again inside its branch, for the slots it does not
     hold: the tiles without any then take the codes straight into the layout their dot wants."""
     if PACKED:

@@ -146,7 +146,8 @@ def _geometry(kernel, arguments, constants, config, device, bf16_codes, interpre
             # 32-slot tiles, float16 and 16-bit latents read right (tests/test_kernels.py, the tile-by-tile test)
             raise NotImplementedError("bfloat16 quantized latents at the fallback launch geometry (16-slot tiles): "
                                       "a known wrong result on the GPU, not found yet") from None
-        launch = dict(BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps, num_stages=FALLBACK.num_stages)
+        launch = dict(BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps, num_stages=FALLBACK.num_stages,
+                      ACROSS_BOTH=FALLBACK.across_both)
         return launch, _resident(kernel, arguments(FALLBACK.block_s), {**constants, **launch}, device)
 
 

@@ -13,6 +13,7 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from lrkv_compile.errors import SharedLatentsWarning  # noqa: E402
+from lrkv_compile.kernels import latent_decode  # noqa: E402
 from lrkv_compile.lowering import reference, triton_decode, triton_prefill, triton_write  # noqa: E402
 from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
@@ -363,6 +364,39 @@ def test_the_tile_across_the_window_edge(across_both, case, splits, monkeypatch)
     config = triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1, across_both=across_both)
     check(kwargs, config)
     check(kwargs, dataclasses.replace(config, tma=False))
+
+
+@pytest.mark.skipif(ON_GPU, reason="records the tiles the kernel's loops take through Python calls of _attend_tile, "
+                    "which only Triton's interpreter makes (on a GPU the kernel is compiled)")
+@pytest.mark.parametrize("across_both", [True, False])
+def test_the_tile_across_the_window_edge_takes_the_loops_it_is_given(across_both, monkeypatch):
+    """Which loops score the tile across the window's edge (slots 304-319, the edge at 309; one split, positions that
+    run on): with `across_both` the far loop (its slots below 310) and the near loop (from 310), and no tile goes
+    through the edge loop, so a slip that sends the tile back there (or fails the far check) shows here and not
+    only in time; without it, the edge loop."""
+    taken = []
+    attend = latent_decode._attend_tile
+
+    def recorded(*args):
+        # _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, ..., FAR, VALUES_FIRST)
+        t0, ordered, low, high, far = args[3], args[6], args[7], args[8], args[-2]
+        taken.append((int(t0), "far" if far else "near" if ordered else "edge", None if low is None else int(low),
+                      int(high)))
+        return attend(*args)
+
+    monkeypatch.setattr(latent_decode, "_attend_tile", recorded)
+    monkeypatch.setattr(triton_decode, "_splits", lambda *args: 1)
+    kwargs = build_case(**{**BASE, "dtype": torch.float16, "k_bits": 16, "v_bits": 16, "sinks": 0, "window": 0,
+                           "mask": "none", "padding": False, "length": 400, "rope_window": 90,
+                           "start_position": 2000})
+    check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1, across_both=across_both))
+    across = {(kind, low, high) for t0, kind, low, high in taken if t0 == 304}
+    if across_both:
+        assert across == {("far", None, 310), ("near", 310, 399)}
+        assert all(kind != "edge" for _, kind, _, _ in taken)
+    else:
+        assert across == {("edge", None, 399)}
+        assert {kind for t0, kind, _, _ in taken if t0 < 304} == {"far"}
 
 
 def _descriptors_taken(monkeypatch) -> list:
