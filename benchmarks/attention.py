@@ -178,6 +178,13 @@ def compiled_resources():
     return found
 
 
+def geometry_label(config) -> str:
+    """A launch geometry in a few characters, as the sweep prints it and each row records it: slots per tile,
+    warps, stages, register cap, and the options off their usual setting."""
+    return (f"{config.block_s}/{config.num_warps}w/{config.num_stages}s/{config.max_registers}r"
+            + ("/ahead" if config.positions_ahead else "") + ("" if config.across_both else "/across-by-edge-loop"))
+
+
 def sweep(kwargs):
     """The launch geometries of `triton_decode.CANDIDATES` at this size, fastest first."""
     results = []
@@ -226,10 +233,8 @@ def main():
                 chosen[(name, plan["plan"])] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
                     chosen[(name, "head keep 0.5")] = results[0][1]
-                print(f"sweep {name} {plan['plan']}: " + ", ".join(
-                    f"{ms:.3f} ms {c.block_s}/{c.num_warps}w/{c.num_stages}s/{c.max_registers}r"
-                    + ("/ahead" if c.positions_ahead else "") + ("" if c.across_both else "/across-by-edge-loop")
-                    for ms, c in results[:6]))
+                print(f"sweep {name} {plan['plan']}: "
+                      + ", ".join(f"{ms:.3f} ms {geometry_label(c)}" for ms, c in results[:6]))
                 sweeps.append(dict(shape=name, plan=plan["plan"], results=[
                     dict(ms=ms, **dataclasses.asdict(c)) for ms, c in results]))
                 del kwargs
@@ -269,7 +274,7 @@ def main():
                     bytes_ratio=round(ratio, 3), lrkv_TBps=round(read / lrkv / 1e9, 3),
                     sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),
                     target=round(factor_target * ratio, 3) if context >= 16384 and plan["scheme"] == "head" else None,
-                    relative_error=error, config=dataclasses.asdict(config)))
+                    relative_error=error, config=dataclasses.asdict(config), geometry=geometry_label(config)))
                 if args.tiny:
                     print(json.dumps(rows[-1]), flush=True)
                 else:  # rewritten after every row, so an interrupted run keeps what it measured

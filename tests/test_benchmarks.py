@@ -74,8 +74,5 @@ def test_attention_benchmark_sweeps_and_runs_every_plan_against_the_reference_on
                for line in sweeps}
     for row in rows[:6]:
         swept = fastest["head keep 0.25" if row["plan"] == "head keep 0.5" else row["plan"]]
-        config = row["config"]
-        assert swept == (f"{config['block_s']}/{config['num_warps']}w/{config['num_stages']}s/"
-                         f"{config['max_registers']}r" + ("/ahead" if config["positions_ahead"] else "")
-                         + ("" if config["across_both"] else "/across-by-edge-loop")), \
-            (row["plan"], swept, config)
+        assert swept == row["geometry"], (row["plan"], swept, row["config"])
+        assert row["geometry"].startswith(f"{row['config']['block_s']}/{row['config']['num_warps']}w/")
