@@ -130,14 +130,20 @@ def _resident(kernel, args, constants, device) -> int:
     return max(1, min(by_registers, by_shared, by_threads, 32))
 
 
-def _geometry(kernel, arguments, constants, config, device, bf16_codes, interpret):
-    """(launch options, resident programs per multiprocessor) of `config` for these constants, or of FALLBACK where
-    the compiled kernel does not fit (wide joint chunks); arguments(block_s): a launch's arguments, for the trial
-    compile."""
+def _launch_options(config: DecodeConfig, interpret: bool) -> dict:
+    """The decode kernel's launch options and geometry constants for `config` (the register cap only when compiled)."""
     launch = dict(BLOCK_S=config.block_s, num_warps=config.num_warps, num_stages=config.num_stages,
                   POSITIONS_AHEAD=config.positions_ahead, ACROSS_BOTH=config.across_both)
     if config.max_registers is not None and not interpret:
         launch.update(maxnreg=config.max_registers)
+    return launch
+
+
+def _geometry(kernel, arguments, constants, config, device, bf16_codes, interpret):
+    """(launch options, resident programs per multiprocessor) of `config` for these constants, or of FALLBACK where
+    the compiled kernel does not fit (wide joint chunks); arguments(block_s): a launch's arguments, for the trial
+    compile."""
+    launch = _launch_options(config, interpret)
     try:
         return launch, _resident(kernel, arguments(config.block_s), {**constants, **launch}, device)
     except OutOfResources:  # a geometry too large for this shape: the smallest one
@@ -146,8 +152,7 @@ def _geometry(kernel, arguments, constants, config, device, bf16_codes, interpre
             # 32-slot tiles, float16 and 16-bit latents read right (tests/test_kernels.py, the tile-by-tile test)
             raise NotImplementedError("bfloat16 quantized latents at the fallback launch geometry (16-slot tiles): "
                                       "a known wrong result on the GPU, not found yet") from None
-        launch = dict(BLOCK_S=FALLBACK.block_s, num_warps=FALLBACK.num_warps, num_stages=FALLBACK.num_stages,
-                      ACROSS_BOTH=FALLBACK.across_both)
+        launch = _launch_options(FALLBACK, interpret)
         return launch, _resident(kernel, arguments(FALLBACK.block_s), {**constants, **launch}, device)
 
 
