@@ -1,0 +1,355 @@
+"""Gluon (Triton's layout-explicit dialect) far loop of the budget-0.2 plan's decode attention: the `@gluon.jit` code
+only (the launcher and its checks are `lowering/gluon_far.py`). Not yet called by the decode op: it is the first part
+of that plan's kernel, checked against the dequantized cache on a GPU (`tests/test_gluon_far.py`) and timed by
+`benchmarks/far_loop.py` (docs/gpu-notes.md: 0.100 ms where the Triton kernel takes 0.242 for the whole step).
+
+The latents it reads: per KV head, 64 key channels of 4-bit codes and 128 value channels of 3-bit codes (in
+`quantize.three_bit_order`), groups of 32 channels with a float16 scale and zero point per token, the cache's
+layout (`lowering/quantize.py`). It scores every slot of a split against the latent queries (the query heads of the
+KV head, already taken through the key factors, turned to the windowed position and scaled for base 2) and keeps
+per split the partial (max, sum, latent context) the decode kernel's combine reduces.
+
+One warp per program owns its slots from codes to context: no shared memory and no barrier. Per 16 slots,
+transposed mma.sync products (m16n8k16): scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and
+ctxT [128 channels, 8] += VT [128 channels, 16 slots] @ pT [16 slots, 8]; four such groups per iteration share one
+online-softmax update. The codes load straight into the operands' registers: lane (g, t) loads int32 words 2t and
+2t + 1 of the key codes of slots g and g + 8, and the 48 bits of value codes of channels 16g .. 16g + 15 of slots 2t,
+2t + 1, 2t + 8 and 2t + 9; PTX turns them into float16 two at a time (a key word's codes i and i + 4, one value
+channel of two slots), and joins, a reshape and a permute give the operands' layouts, which convert_layout asserts
+need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels` and `value_channels`
+say which cache channel each holds; the launcher permutes the query and un-permutes the context.
+"""
+import struct
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+
+def _half2(value: float) -> str:
+    """A float16 constant twice over, as a PTX .b32 immediate."""
+    bits = struct.unpack("<H", struct.pack("<e", value))[0]
+    return f"0x{bits:04x}{bits:04x}"
+
+
+def _pairs_asm(pairs, shifts, bits, scale_at, zero_at, prologue) -> str:
+    """PTX turning codes into float16 latents two at a time. Output pair k (outputs 2k and 2k + 1, the low and high
+    halves of a register) takes its codes at bit shifts[k] of each 16-bit half of a register: pairs[k] = (selector,
+    x, y) gathers it by prmt from registers x and y, or (None, x, None) takes register x as it is. lop3 masks the
+    code into the mantissa of 1024, an exact fma takes 1024 away and divides by 2^shift, a last fma applies the
+    (scale, zero point) pairs: inputs scale_at and zero_at (counted from the first input), a float16 each."""
+    outputs = 2 * len(shifts)
+    lines = [f"mov.b32 s2, {{${outputs + scale_at[0]}, ${outputs + scale_at[1]}}};",
+             f"mov.b32 z2, {{${outputs + zero_at[0]}, ${outputs + zero_at[1]}}};", *prologue]
+    for shift in sorted(set(shifts)):  # f16x2 operands are registers
+        lines.append(f"mov.b32 m{shift}, {_half2(2.0 ** -shift)};")
+        lines.append(f"mov.b32 a{shift}, {_half2(-1024.0 * 2.0 ** -shift)};")
+    gathered = None
+    for k, ((selector, x, y), shift) in enumerate(zip(pairs, shifts)):
+        source = x
+        if selector is not None:
+            source = "w"
+            if (selector, x, y) != gathered:
+                lines.append(f"prmt.b32 w, {x}, {y}, {selector:#06x};")
+                gathered = (selector, x, y)
+        mask = ((1 << bits) - 1) << shift
+        lines.append(f"lop3.b32 t, {source}, {mask | mask << 16:#010x}, 0x64006400, 0xea;")
+        lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
+        lines.append("fma.rn.f16x2 t, t, s2, z2;")
+        lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;")
+    names = ", ".join(f"m{shift}, a{shift}" for shift in sorted(set(shifts)))
+    return "{\n.reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines) + "\n}"
+
+
+def _key_asm() -> str:
+    """Inputs $8 (an int32 word of 8 4-bit codes, code k at bits 4k), $9 scale, $10 zero point. Outputs: codes 0, 4,
+    1, 5, 2, 6, 3, 7 (pairs (i, i + 4) lie at bits 4i and 4i + 16: of the word, then of the word shifted by 8)."""
+    pairs = [(None, "$8", None)] * 2 + [(None, "y0", None)] * 2
+    return _pairs_asm(pairs, [0, 4, 0, 4], 4, (1, 1), (2, 2), ["shr.u32 y0, $8, 8;"])
+
+
+def _value_asm() -> str:
+    """Inputs $32 $33 (two int32 words of slot A holding its 48 bits of codes from bit $36, 0 or 16), $34 $35 (slot
+    B's), $36, $37 $38 (the scales of A and B), $39 $40 (their zero points). Output pair 8X + i holds code i of
+    3-byte word X (of the 48 bits) of slot A, then of slot B."""
+    prologue = ["shf.r.wrap.b32 x0, $32, $33, $36;", "shr.u32 y0, $33, $36;",  # A's 48 bits: x0, then y0
+                "shf.r.wrap.b32 x1, x0, y0, 24;",                              # A's word 1 at bit 0 of x1
+                "shf.r.wrap.b32 y1, $34, $35, $36;", "shr.u32 w, $35, $36;",    # B's 48 bits: y1, then w
+                "shf.r.wrap.b32 w, y1, w, 24;", "mov.b32 y0, w;"]              # B's word 1 in y0 (prmt takes w)
+    pairs, shifts = [], []
+    for a, b in (("x0", "y1"), ("x1", "y0")):
+        for i in range(8):
+            byte, shift = divmod(3 * i, 8)
+            pairs.append((byte | (byte + 1) << 4 | (4 + byte) << 8 | (5 + byte) << 12, a, b))
+            shifts.append(shift)
+    return _pairs_asm(pairs, shifts, 3, (5, 6), (7, 8), prologue)
+
+
+KEY_ASM = gl.constexpr(_key_asm())
+VALUE_ASM = gl.constexpr(_value_asm())
+KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r,h,h")
+VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + "r,r,r,r,r,h,h,h,h")
+
+# layouts of one warp: the products' accumulator and operands
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+# key words [8 slots, 8 words]: lane (g, t) holds words 2t and 2t + 1 of slot g
+KEY_WORDS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[],
+    shape=[8, 8]))
+# [8, 4]: element (g, t) in lane (g, t)
+LANES = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[8, 4]))
+
+
+@gluon.jit
+def _ex2(x):
+    """2^x: the multi-function unit's approximation, flushing results below 2^-126 to 0."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _load(rows, s0, offsets, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr):
+    """The raw words, scales and zero points of the 16 slots from s0, in the layouts _operands takes them.
+    Keys: two halves of 8 slots (rows g and g + 8)."""
+    kw_row, ks_row, kz_row, vw_row, vs_row, vz_row = rows
+    k_off, ks_off, v_off, vs_off = offsets
+    kbase = kw_row + s0 * kw_ss
+    sbase = s0 * ks_ss
+    w_lo = gl.load(kbase + k_off)
+    w_hi = gl.load(kbase + 8 * kw_ss + k_off)
+    s_lo = gl.load(ks_row + sbase + ks_off)
+    z_lo = gl.load(kz_row + sbase + ks_off)
+    s_hi = gl.load(ks_row + sbase + 8 * ks_ss + ks_off)
+    z_hi = gl.load(kz_row + sbase + 8 * ks_ss + ks_off)
+    # values: slot pairs (2t, 2t + 1) and (2t + 8, 2t + 9)
+    vbase = vw_row + s0 * vw_ss
+    a0 = gl.load(vbase + v_off)
+    a1 = gl.load(vbase + v_off + 4)
+    b0 = gl.load(vbase + vw_ss + v_off)
+    b1 = gl.load(vbase + vw_ss + v_off + 4)
+    c0 = gl.load(vbase + 8 * vw_ss + v_off)
+    c1 = gl.load(vbase + 8 * vw_ss + v_off + 4)
+    d0 = gl.load(vbase + 9 * vw_ss + v_off)
+    d1 = gl.load(vbase + 9 * vw_ss + v_off + 4)
+    vsb = vs_row + s0 * vs_ss + vs_off
+    vzb = vz_row + s0 * vs_ss + vs_off
+    sa = gl.load(vsb)
+    sb = gl.load(vsb + vs_ss)
+    sc = gl.load(vsb + 8 * vs_ss)
+    sd = gl.load(vsb + 9 * vs_ss)
+    za = gl.load(vzb)
+    zb = gl.load(vzb + vs_ss)
+    zc = gl.load(vzb + 8 * vs_ss)
+    zd = gl.load(vzb + 9 * vs_ss)
+
+    return w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd
+
+
+@gluon.jit
+def _operands(tile, v_shift):
+    """(K [16 slots, 64 ranks] as the A operand, VT [128 channels, 16 slots] as the A operand) of _load's tile."""
+    w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd = tile
+    s_lo = gl.convert_layout(gl.reshape(gl.join(s_lo, s_lo), [8, 8]), KEY_WORDS, assert_trivial=True)
+    z_lo = gl.convert_layout(gl.reshape(gl.join(z_lo, z_lo), [8, 8]), KEY_WORDS, assert_trivial=True)
+    s_hi = gl.convert_layout(gl.reshape(gl.join(s_hi, s_hi), [8, 8]), KEY_WORDS, assert_trivial=True)
+    z_hi = gl.convert_layout(gl.reshape(gl.join(z_hi, z_hi), [8, 8]), KEY_WORDS, assert_trivial=True)
+    KL = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_lo, s_lo, z_lo], dtype=(gl.float16,) * 8,
+                                   is_pure=True, pack=1)
+    KH = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_hi, s_hi, z_hi], dtype=(gl.float16,) * 8,
+                                   is_pure=True, pack=1)
+    # output k = 4 a + 2 b + c; joins: a, b, row 8, c
+    x000 = gl.join(KL[0], KL[4])
+    x001 = gl.join(KL[1], KL[5])
+    x010 = gl.join(KL[2], KL[6])
+    x011 = gl.join(KL[3], KL[7])
+    y000 = gl.join(KH[0], KH[4])
+    y001 = gl.join(KH[1], KH[5])
+    y010 = gl.join(KH[2], KH[6])
+    y011 = gl.join(KH[3], KH[7])
+    x0 = gl.join(x000, x010)  # c = 0: [.., a, b]
+    x1 = gl.join(x001, x011)
+    y0 = gl.join(y000, y010)
+    y1 = gl.join(y001, y011)
+    kt = gl.join(gl.join(x0, y0), gl.join(x1, y1))  # [8 slot, 8 word, a, b, row8, c]
+    kt = gl.reshape(kt, [8, 2, 2, 2, 2, 2, 2, 2])   # [slot, w2, w1, w0, a, b, row8, c]
+    kt = gl.permute(kt, [6, 0, 3, 4, 5, 1, 2, 7])
+    k_a = gl.convert_layout(gl.reshape(kt, [16, 64]), A_OP, assert_trivial=True)
+
+    V0 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [a0, a1, b0, b1, v_shift, sa, sb, za, zb],
+                                   dtype=(gl.float16,) * 32, is_pure=True, pack=1)
+    V1 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [c0, c1, d0, d1, v_shift, sc, sd, zc, zd],
+                                   dtype=(gl.float16,) * 32, is_pure=True, pack=1)
+    v_a = _value_operand(V0, V1)
+    return k_a, v_a
+
+
+@gluon.jit
+def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, q_ptr, m_ptr, l_ptr, acc_ptr,
+               kw_sb, kw_sh2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, per_split, n_slots, splits,
+               kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr,
+               KV_HEADS: gl.constexpr):
+    """Partials of split program_id(1) of (batch row, KV head) program_id(0): m, l [8 columns] (the running maximum
+    in base 2 and the sum of 2^(score - m)) and acc [8 columns, 128 channels], over slots [split * per_split, +
+    per_split) cut at n_slots (per_split a multiple of 64, and so the slots past n_slots). Strides in the elements
+    of each pointer (kw_sh2: the key words' head stride, halved: even, so that a lane's two words load as one);
+    q_ptr [rows * KV heads, 8 columns, 64 ranks] float16, in the ranks' order (key_rank_channels), zero columns
+    past the query heads of a KV head."""
+    bh = gl.program_id(0)
+    split = gl.program_id(1)
+    b = bh // KV_HEADS
+    h = bh % KV_HEADS
+    lo = split * per_split
+    hi = gl.minimum(lo + per_split, n_slots)
+    kw_row = kw_ptr + b * kw_sb + h * (kw_sh2 * 2)
+    ks_row = ks_ptr + b * ks_sb + h * ks_sh
+    kz_row = kz_ptr + b * ks_sb + h * ks_sh
+    vw_row = vw_ptr + b * vw_sb + h * vw_sh
+    vs_row = vs_ptr + b * vs_sb + h * vs_sh
+    vz_row = vz_ptr + b * vs_sb + h * vs_sh
+
+    # the query (permuted ranks, scaled, base 2) as the B operand [64, 8]
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+    q = gl.load(q_ptr + bh * 512 + c[None, :] * 64 + r[:, None])
+
+    # key rows: [8 slots, 8 words] offsets of rows g (words of slot g, lane t holds 2t, 2t + 1)
+    kg = gl.arange(0, 8, layout=gl.SliceLayout(1, KEY_WORDS))
+    kwd = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS))
+    k_off = kg[:, None] * kw_ss + kwd[None, :]
+    lg = gl.arange(0, 8, layout=gl.SliceLayout(1, LANES))
+    lt = gl.arange(0, 4, layout=gl.SliceLayout(0, LANES))
+    ks_off = lg[:, None] * ks_ss + (lt // 2)[None, :]
+    # values: lane (g, t): ints (g % 2) * 4 + g // 2 and that + 4 of slots 2t, 2t + 1, 2t + 8, 2t + 9
+    v_int = (lg % 2) * 4 + lg // 2
+    v_off = (2 * lt)[None, :] * vw_ss + v_int[:, None]            # slot 2t
+    v_shift = ((lg % 2) * 16)[:, None] + 0 * lt[None, :]
+    vs_off = (2 * lt)[None, :] * vs_ss + (lg // 2)[:, None]
+    rows = (kw_row, ks_row, kz_row, vw_row, vs_row, vz_row)
+    offsets = (k_off, ks_off, v_off, vs_off)
+
+    m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)  # per-row sums, added over rows at the end
+    acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+    for s0 in range(lo, hi, 64):
+        k0, v0 = _operands(_load(rows, s0 + 0, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
+        k1, v1 = _operands(_load(rows, s0 + 16, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
+        k2, v2 = _operands(_load(rows, s0 + 32, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
+        k3, v3 = _operands(_load(rows, s0 + 48, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
+        sc0 = mma_v2(k0, q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc1 = mma_v2(k1, q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc2 = mma_v2(k2, q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc3 = mma_v2(k3, q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), axis=0))
+        alpha = _ex2(m_i - m_new)
+        p0 = _ex2(sc0 - m_new[None, :])
+        p1 = _ex2(sc1 - m_new[None, :])
+        p2 = _ex2(sc2 - m_new[None, :])
+        p3 = _ex2(sc3 - m_new[None, :])
+        l_rows = l_rows * alpha[None, :] + ((p0 + p1) + (p2 + p3))
+        acc = acc * alpha[None, :]
+        m_i = m_new
+        acc = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), B_OP), acc)
+        acc = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), B_OP), acc)
+        acc = mma_v2(v2, gl.convert_layout(p2.to(gl.float16), B_OP), acc)
+        acc = mma_v2(v3, gl.convert_layout(p3.to(gl.float16), B_OP), acc)
+
+    # the partials: acc's channels in value_channels' order
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    out = (bh * splits + split) * 8
+    gl.store(m_ptr + out + cols, m_i)
+    gl.store(l_ptr + out + cols, gl.sum(l_rows, axis=0))
+    ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+    gl.store(acc_ptr + (out + cols)[None, :] * 128 + ch[:, None], acc)
+
+
+@gluon.jit
+def _value_operand(V0, V1):
+    """VT [128 channels, 16 slots] as the A operand, from the value asm's outputs for slot pairs P = 0 (2t, 2t + 1)
+    and 1 (2t + 8, 2t + 9): VP[2 (8 X + i) + s] is code i of word X of slot s of the pair. The joins go over X, i's
+    bits 2 and 1, P, i's bit 0, then s: the operand's register order, its fastest bit last."""
+    l1_0_0_0 = gl.join(V0[0], V0[16])
+    l1_0_0_1 = gl.join(V0[1], V0[17])
+    l1_0_1_0 = gl.join(V0[2], V0[18])
+    l1_0_1_1 = gl.join(V0[3], V0[19])
+    l1_0_2_0 = gl.join(V0[4], V0[20])
+    l1_0_2_1 = gl.join(V0[5], V0[21])
+    l1_0_3_0 = gl.join(V0[6], V0[22])
+    l1_0_3_1 = gl.join(V0[7], V0[23])
+    l1_0_4_0 = gl.join(V0[8], V0[24])
+    l1_0_4_1 = gl.join(V0[9], V0[25])
+    l1_0_5_0 = gl.join(V0[10], V0[26])
+    l1_0_5_1 = gl.join(V0[11], V0[27])
+    l1_0_6_0 = gl.join(V0[12], V0[28])
+    l1_0_6_1 = gl.join(V0[13], V0[29])
+    l1_0_7_0 = gl.join(V0[14], V0[30])
+    l1_0_7_1 = gl.join(V0[15], V0[31])
+    l1_1_0_0 = gl.join(V1[0], V1[16])
+    l1_1_0_1 = gl.join(V1[1], V1[17])
+    l1_1_1_0 = gl.join(V1[2], V1[18])
+    l1_1_1_1 = gl.join(V1[3], V1[19])
+    l1_1_2_0 = gl.join(V1[4], V1[20])
+    l1_1_2_1 = gl.join(V1[5], V1[21])
+    l1_1_3_0 = gl.join(V1[6], V1[22])
+    l1_1_3_1 = gl.join(V1[7], V1[23])
+    l1_1_4_0 = gl.join(V1[8], V1[24])
+    l1_1_4_1 = gl.join(V1[9], V1[25])
+    l1_1_5_0 = gl.join(V1[10], V1[26])
+    l1_1_5_1 = gl.join(V1[11], V1[27])
+    l1_1_6_0 = gl.join(V1[12], V1[28])
+    l1_1_6_1 = gl.join(V1[13], V1[29])
+    l1_1_7_0 = gl.join(V1[14], V1[30])
+    l1_1_7_1 = gl.join(V1[15], V1[31])
+    l2_0_0_0 = gl.join(l1_0_0_0, l1_0_4_0)
+    l2_0_0_1 = gl.join(l1_0_0_1, l1_0_4_1)
+    l2_0_1_0 = gl.join(l1_0_1_0, l1_0_5_0)
+    l2_0_1_1 = gl.join(l1_0_1_1, l1_0_5_1)
+    l2_0_2_0 = gl.join(l1_0_2_0, l1_0_6_0)
+    l2_0_2_1 = gl.join(l1_0_2_1, l1_0_6_1)
+    l2_0_3_0 = gl.join(l1_0_3_0, l1_0_7_0)
+    l2_0_3_1 = gl.join(l1_0_3_1, l1_0_7_1)
+    l2_1_0_0 = gl.join(l1_1_0_0, l1_1_4_0)
+    l2_1_0_1 = gl.join(l1_1_0_1, l1_1_4_1)
+    l2_1_1_0 = gl.join(l1_1_1_0, l1_1_5_0)
+    l2_1_1_1 = gl.join(l1_1_1_1, l1_1_5_1)
+    l2_1_2_0 = gl.join(l1_1_2_0, l1_1_6_0)
+    l2_1_2_1 = gl.join(l1_1_2_1, l1_1_6_1)
+    l2_1_3_0 = gl.join(l1_1_3_0, l1_1_7_0)
+    l2_1_3_1 = gl.join(l1_1_3_1, l1_1_7_1)
+    l3_0_0_0 = gl.join(l2_0_0_0, l2_0_2_0)
+    l3_0_0_1 = gl.join(l2_0_0_1, l2_0_2_1)
+    l3_0_1_0 = gl.join(l2_0_1_0, l2_0_3_0)
+    l3_0_1_1 = gl.join(l2_0_1_1, l2_0_3_1)
+    l3_1_0_0 = gl.join(l2_1_0_0, l2_1_2_0)
+    l3_1_0_1 = gl.join(l2_1_0_1, l2_1_2_1)
+    l3_1_1_0 = gl.join(l2_1_1_0, l2_1_3_0)
+    l3_1_1_1 = gl.join(l2_1_1_1, l2_1_3_1)
+    l4_0_0 = gl.join(l3_0_0_0, l3_1_0_0)
+    l4_0_1 = gl.join(l3_0_0_1, l3_1_0_1)
+    l4_1_0 = gl.join(l3_0_1_0, l3_1_1_0)
+    l4_1_1 = gl.join(l3_0_1_1, l3_1_1_1)
+    l5_0 = gl.join(l4_0_0, l4_1_0)
+    l5_1 = gl.join(l4_0_1, l4_1_1)
+    vt = gl.join(l5_0, l5_1)  # [8 g, 4 t, X, i2, i1, P, i0, s]
+    vt = gl.permute(vt, [2, 3, 4, 6, 0, 5, 1, 7])  # [X, i2, i1, i0, g, P, t, s]
+    v_a = gl.convert_layout(gl.reshape(vt, [128, 16]), A_OP, assert_trivial=True)
+    return v_a
+
+
+def key_rank_channels() -> list[int]:
+    """The key channel (of the KV head's 64) rank r of the key operand holds: r = 32 w0 + 16 a + 8 b + 4 w2 + 2 w1 +
+    c holds code [0, 4, 1, 5, 2, 6, 3, 7][4 a + 2 b + c] of word 4 w2 + 2 w1 + w0 (_operands' joins)."""
+    out = []
+    for r in range(64):
+        c, w1, w2, b, a, w0 = (r >> 0) & 1, (r >> 1) & 1, (r >> 2) & 1, (r >> 3) & 1, (r >> 4) & 1, (r >> 5) & 1
+        k = 4 * a + 2 * b + c
+        out.append(8 * (4 * w2 + 2 * w1 + w0) + [0, 4, 1, 5, 2, 6, 3, 7][k])
+    return out
+
+
+def value_channels() -> list[int]:
+    """The value channel (of the KV head's 128) row ch of the context holds: lane g = ch % 8 holds 3-byte words 2g and
+    2g + 1 of the codes, ch // 64 picks the word and (ch // 8) % 8 the code in it (_value_operand's joins)."""
+    return [16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7) for ch in range(128)]

@@ -1,0 +1,92 @@
+"""The budget plan's Gluon far loop (kernels/gluon_far.py): compiled for sm_90 on any machine, checked against the
+dequantized cache on a GPU."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon", reason="the Gluon far loop needs Triton's Gluon dialect")
+
+from lrkv_compile.kernels import gluon_far  # noqa: E402
+from lrkv_compile.lowering.gluon_far import combine, far_partials  # noqa: E402
+from lrkv_compile.lowering.quantize import dequantize, quantize  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+
+
+def test_channel_orders_are_permutations():
+    assert sorted(gluon_far.key_rank_channels()) == list(range(64))
+    assert sorted(gluon_far.value_channels()) == list(range(128))
+
+
+_COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from lrkv_compile.kernels import gluon_far
+
+signature = {name: "*i32" if name in ("kw_ptr", "vw_ptr") else "*fp16"
+             for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "q_ptr")}
+signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
+signature.update({name: "i32" for name in ("kw_sb", "kw_sh2", "ks_sb", "ks_sh", "vw_sb", "vw_sh", "vs_sb", "vs_sh",
+                                           "per_split", "n_slots", "splits")})
+constants = dict(kw_ss=64, ks_ss=16, vw_ss=96, vs_ss=32, KV_HEADS=8)
+signature.update({name: "constexpr" for name in constants})
+names = list(signature)
+source = GluonASTSource(gluon_far.far_kernel, signature,
+                        constexprs={(names.index(name),): value for name, value in constants.items()})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+ptx = compiled.asm["ptx"]
+print(json.dumps(dict(shared=compiled.metadata.shared, barriers=ptx.count("bar.sync"),
+                      shared_stores=ptx.count("st.shared"), products=ptx.count("mma.sync.aligned.m16n8k16"))))
+"""
+
+
+def test_compiles_for_hopper_without_shared_memory():
+    """The layouts' conversions are asserted trivial at compile time, so a compile is the check that the codes
+    land in the products' operands without data movement; the loop keeps no shared memory and no barrier.
+    Compiled for sm_90 in a process of its own: under Triton's interpreter (the tests' CPU setting) Gluon's
+    builtins are interpreted functions, which its compiler refuses."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts == dict(shared=0, barriers=0, shared_stores=0, products=4 * 4 + 4 * 8)  # per 64 slots: 4 x (4 + 8)
+
+
+def _cache(rows, slots, kv_heads, generator):
+    latent_k = torch.randn(rows, slots, kv_heads * 64, generator=generator)
+    latent_v = torch.randn(rows, slots, kv_heads * 128, generator=generator)
+    return (*quantize(latent_k, 4, 32), *quantize(latent_v, 3, 32))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
+                                       "the CPU compiles them for sm_90 above")
+@pytest.mark.parametrize("rows, slots, kv_heads, group, splits", [(2, 1024, 8, 4, 3), (3, 640, 2, 8, 4),
+                                                                  (1, 64, 4, 1, 1), (2, 4096, 1, 7, 5)])
+def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits):
+    generator = torch.Generator().manual_seed(rows * slots + group)
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (t.cuda() for t in _cache(rows, slots, kv_heads, generator))
+    keys = dequantize(k_codes, k_scale, k_zero, 4, 32).view(rows, slots, kv_heads, 64)
+    values = dequantize(v_codes, v_scale, v_zero, 3, 32).view(rows, slots, kv_heads, 128)
+    query = (torch.randn(rows, kv_heads, group, 64, generator=generator) * 0.2).half().cuda()
+    scores = torch.einsum("bhgr,bshr->bhgs", query.float(), keys)
+    weights = torch.exp2(scores - scores.amax(-1, keepdim=True))
+    expected = torch.einsum("bhgs,bshc->bhgc", weights, values) / weights.sum(-1)[..., None]
+    m, l, ctx = far_partials(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, query, splits)
+    assert m.shape[2] == math.ceil(slots / (math.ceil(slots / splits / 64) * 64))
+    got = combine(m, l, ctx)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))
+
+
+def test_refuses_what_it_does_not_read():
+    generator = torch.Generator().manual_seed(0)
+    cache = _cache(1, 64, 2, generator)
+    query = torch.zeros(1, 2, 4, 64)
+    with pytest.raises(NotImplementedError, match="CUDA tensors only"):
+        far_partials(*cache, query, 1)
