@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import attention as bench  # noqa: E402
 from lrkv_compile.lowering.gluon_far import combine, far_partials  # noqa: E402
 
-SPLITS = (8, 12, 16, 20, 32)
+SPLITS = (8, 12, 14, 16, 24, 32)
 
 
 def main():

@@ -12,7 +12,8 @@ per split the partial (max, sum, latent context) the decode kernel's combine red
 One warp per program owns its slots from codes to context: no shared memory and no barrier. Per 16 slots,
 transposed mma.sync products (m16n8k16): scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and
 ctxT [128 channels, 8] += VT [128 channels, 16 slots] @ pT [16 slots, 8]; four such groups per iteration share one
-online-softmax update. The codes load straight into the operands' registers: lane (g, t) loads int32 words 2t and
+online-softmax update, their values dequantized after it, each just before its product (fewer registers live across
+the softmax: 134 against 158). The codes load straight into the operands' registers: lane (g, t) loads int32 words 2t and
 2t + 1 of the key codes of slots g and g + 8, and the 48 bits of value codes of channels 16g .. 16g + 15 of slots 2t,
 2t + 1, 2t + 8 and 2t + 9; PTX turns them into float16 two at a time (a key word's codes i and i + 4, one value
 channel of two slots), and joins, a reshape and a permute give the operands' layouts, which convert_layout asserts
@@ -149,8 +150,8 @@ def _load(rows, s0, offsets, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl
 
 
 @gluon.jit
-def _operands(tile, v_shift):
-    """(K [16 slots, 64 ranks] as the A operand, VT [128 channels, 16 slots] as the A operand) of _load's tile."""
+def _keys(tile):
+    """K [16 slots, 64 ranks] as the A operand, from _load's tile."""
     w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd = tile
     s_lo = gl.convert_layout(gl.reshape(gl.join(s_lo, s_lo), [8, 8]), KEY_WORDS, assert_trivial=True)
     z_lo = gl.convert_layout(gl.reshape(gl.join(z_lo, z_lo), [8, 8]), KEY_WORDS, assert_trivial=True)
@@ -176,14 +177,18 @@ def _operands(tile, v_shift):
     kt = gl.join(gl.join(x0, y0), gl.join(x1, y1))  # [8 slot, 8 word, a, b, row8, c]
     kt = gl.reshape(kt, [8, 2, 2, 2, 2, 2, 2, 2])   # [slot, w2, w1, w0, a, b, row8, c]
     kt = gl.permute(kt, [6, 0, 3, 4, 5, 1, 2, 7])
-    k_a = gl.convert_layout(gl.reshape(kt, [16, 64]), A_OP, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(kt, [16, 64]), A_OP, assert_trivial=True)
 
+
+@gluon.jit
+def _values(tile, v_shift):
+    """VT [128 channels, 16 slots] as the A operand, from _load's tile."""
+    w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd = tile
     V0 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [a0, a1, b0, b1, v_shift, sa, sb, za, zb],
                                    dtype=(gl.float16,) * 32, is_pure=True, pack=1)
     V1 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [c0, c1, d0, d1, v_shift, sc, sd, zc, zd],
                                    dtype=(gl.float16,) * 32, is_pure=True, pack=1)
-    v_a = _value_operand(V0, V1)
-    return k_a, v_a
+    return _value_operand(V0, V1)
 
 
 @gluon.jit
@@ -234,14 +239,14 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, q_ptr, m_ptr, l_p
     l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)  # per-row sums, added over rows at the end
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
     for s0 in range(lo, hi, 64):
-        k0, v0 = _operands(_load(rows, s0 + 0, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
-        k1, v1 = _operands(_load(rows, s0 + 16, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
-        k2, v2 = _operands(_load(rows, s0 + 32, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
-        k3, v3 = _operands(_load(rows, s0 + 48, offsets, kw_ss, ks_ss, vw_ss, vs_ss), v_shift)
-        sc0 = mma_v2(k0, q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc1 = mma_v2(k1, q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc2 = mma_v2(k2, q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc3 = mma_v2(k3, q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        t0 = _load(rows, s0 + 0, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
+        t1 = _load(rows, s0 + 16, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
+        t2 = _load(rows, s0 + 32, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
+        t3 = _load(rows, s0 + 48, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
+        sc0 = mma_v2(_keys(t0), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc1 = mma_v2(_keys(t1), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc2 = mma_v2(_keys(t2), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc3 = mma_v2(_keys(t3), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), axis=0))
         alpha = _ex2(m_i - m_new)
         p0 = _ex2(sc0 - m_new[None, :])
@@ -251,10 +256,10 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, q_ptr, m_ptr, l_p
         l_rows = l_rows * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         acc = acc * alpha[None, :]
         m_i = m_new
-        acc = mma_v2(v0, gl.convert_layout(p0.to(gl.float16), B_OP), acc)
-        acc = mma_v2(v1, gl.convert_layout(p1.to(gl.float16), B_OP), acc)
-        acc = mma_v2(v2, gl.convert_layout(p2.to(gl.float16), B_OP), acc)
-        acc = mma_v2(v3, gl.convert_layout(p3.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(t0, v_shift), gl.convert_layout(p0.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(t1, v_shift), gl.convert_layout(p1.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(t2, v_shift), gl.convert_layout(p2.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(t3, v_shift), gl.convert_layout(p3.to(gl.float16), B_OP), acc)
 
     # the partials: acc's channels in value_channels' order
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))

@@ -6,6 +6,9 @@ import math
 import torch
 
 BLOCK = 64  # slots per iteration of a program
+# 128 registers a thread: 16 one-warp programs a multiprocessor, no spill (uncapped it takes 134 and ran 15-20% slower
+# on an H100); 16 splits fill the H100 at batch 16 and 8 KV heads (docs/gpu-notes.md)
+MAX_REGISTERS = 128
 
 
 @functools.cache
@@ -60,7 +63,7 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
         key_words, k_scale, k_zero, value_words, v_scale, v_zero, q, m, l, acc,
         key_words.stride(0), 4, k_scale.stride(0), 2, value_words.stride(0), 12, v_scale.stride(0), 4,
         per_split, slots, splits, kw_ss=key_words.stride(1), ks_ss=k_scale.stride(1), vw_ss=value_words.stride(1),
-        vs_ss=v_scale.stride(1), KV_HEADS=kv_heads, num_warps=1)
+        vs_ss=v_scale.stride(1), KV_HEADS=kv_heads, num_warps=1, maxnreg=MAX_REGISTERS)
     shape = (rows, kv_heads, splits)
     return m[..., :group].reshape(*shape, group), l[..., :group].reshape(*shape, group), \
         acc[:, :, :group].reshape(*shape, group, 128)

@@ -29,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from lrkv_compile.kernels import gluon_far
+from lrkv_compile.lowering.gluon_far import MAX_REGISTERS
 
 signature = {name: "*i32" if name in ("kw_ptr", "vw_ptr") else "*fp16"
              for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "q_ptr")}
@@ -40,7 +41,7 @@ signature.update({name: "constexpr" for name in constants})
 names = list(signature)
 source = GluonASTSource(gluon_far.far_kernel, signature,
                         constexprs={(names.index(name),): value for name, value in constants.items()})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": MAX_REGISTERS})
 ptx = compiled.asm["ptx"]
 print(json.dumps(dict(shared=compiled.metadata.shared, barriers=ptx.count("bar.sync"),
                       shared_stores=ptx.count("st.shared"), products=ptx.count("mma.sync.aligned.m16n8k16"))))
