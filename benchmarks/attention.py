@@ -105,7 +105,9 @@ def build(shape, plan, batch, context, device):
             reference.latent_write(*sides["k"], *sides["v"], positions, new["k"], new["v"],
                                    positions[:, begin:end].clone(),
                                    torch.tensor(begin), **layout)
-        new_k, new_v = new["k"][:, -1:], new["v"][:, -1:]
+        # the step's own latents contiguous, as the model's projection hands them over (a slice of the chunk would
+        # cost the launcher a copy of each in the timed step: 6.5 us on an H100 at batch 16)
+        new_k, new_v = new["k"][:, -1:].clone(), new["v"][:, -1:].clone()
     else:
         new_k, new_v = sides["k"][0][:, -1:].clone(), sides["v"][0][:, -1:].clone()
     rope = 1.0 / 500000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)

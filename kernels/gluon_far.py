@@ -1,7 +1,10 @@
 """Gluon (Triton's layout-explicit dialect) far loop of the budget-0.2 plan's decode attention: the `@gluon.jit` code
-only (the launcher and its checks are `lowering/gluon_far.py`). Not yet called by the decode op: it is the first part
-of that plan's kernel, checked against the dequantized cache on a GPU (`tests/test_gluon_far.py`) and timed by
-`benchmarks/far_loop.py` (docs/gpu-notes.md: 0.100 ms where the Triton kernel takes 0.242 for the whole step).
+only (its launch is `lowering/gluon_far.py`'s). The decode launcher (`triton_decode.decode_attention_with`) hands it a
+step's far slots (windowed RoPE) where the cache holds this layout, and the Triton kernel the rest; checked against
+the dequantized cache (`tests/test_gluon_far.py`) and in the decode step against the reference op
+(`tests/test_kernels.py`) on a GPU, timed by `benchmarks/far_loop.py` (docs/gpu-notes.md). Triton's interpreter does
+not run Gluon kernels: on CPU the launcher's path is tested with its torch stand-in
+(`gluon_far.reference_far_splits`), and the kernel is compiled for sm_90.
 
 The latents it reads: per KV head, 64 key channels of 4-bit codes and 128 value channels of 3-bit codes (in
 `quantize.three_bit_order`), groups of 32 channels with a float16 scale and zero point per token, the cache's
@@ -9,16 +12,16 @@ layout (`lowering/quantize.py`). It scores every slot of a split against the lat
 KV head, already taken through the key factors, turned to the windowed position and scaled for base 2) and keeps
 per split the partial (max, sum, latent context) the decode kernel's combine reduces.
 
-One warp per program owns its slots from codes to context: no shared memory and no barrier. Per 16 slots,
-transposed mma.sync products (m16n8k16): scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and
-ctxT [128 channels, 8] += VT [128 channels, 16 slots] @ pT [16 slots, 8]; four such groups per iteration share one
+One warp per program owns its slots from codes to context: no shared memory and no barrier. Per 16 slots, transposed
+mma.sync products (m16n8k16): scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and ctxT [128
+channels, 8] += VT [128 channels, 16 slots] @ pT [16 slots, 8]; four such groups per iteration share one
 online-softmax update, their values dequantized after it, each just before its product (fewer registers live across
-the softmax: 134 against 158). The codes load straight into the operands' registers: lane (g, t) loads int32 words 2t and
-2t + 1 of the key codes of slots g and g + 8, and the 48 bits of value codes of channels 16g .. 16g + 15 of slots 2t,
-2t + 1, 2t + 8 and 2t + 9; PTX turns them into float16 two at a time (a key word's codes i and i + 4, one value
+the softmax: 134 against 158). The codes load straight into the operands' registers: lane (g, t) loads int32 words 2t
+and 2t + 1 of the key codes of slots g and g + 8, and the 48 bits of value codes of channels 16g .. 16g + 15 of slots
+2t, 2t + 1, 2t + 8 and 2t + 9; PTX turns them into float16 two at a time (a key word's codes i and i + 4, one value
 channel of two slots), and joins, a reshape and a permute give the operands' layouts, which convert_layout asserts
-need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels` and `value_channels`
-say which cache channel each holds; the launcher permutes the query and un-permutes the context.
+need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels` and `value_channels` say
+which cache channel each holds; the queries come permuted, the context is stored in the cache's order.
 """
 import struct
 
@@ -99,6 +102,7 @@ B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 KEY_WORDS = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[],
     shape=[8, 8]))
+HEADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # [8, 4]: element (g, t) in lane (g, t)
 LANES = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[8, 4]))
@@ -192,22 +196,45 @@ def _values(tile, v_shift):
 
 
 @gluon.jit
-def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, q_ptr, m_ptr, l_ptr, acc_ptr,
-               kw_sb, kw_sh2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, per_split, n_slots, splits,
-               kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr,
-               KV_HEADS: gl.constexpr):
-    """Partials of split program_id(1) of (batch row, KV head) program_id(0): m, l [8 columns] (the running maximum
-    in base 2 and the sum of 2^(score - m)) and acc [8 columns, 128 channels], over slots [split * per_split, +
-    per_split) cut at n_slots (per_split a multiple of 64, and so the slots past n_slots). Strides in the elements
-    of each pointer (kw_sh2: the key words' head stride, halved: even, so that a lane's two words load as one);
-    q_ptr [rows * KV heads, 8 columns, 64 ranks] float16, in the ranks' order (key_rank_channels), zero columns
-    past the query heads of a KV head."""
+def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
+    """The sinks' exact latents (slots below SINKS, zeros after) as the products' operands: K [16 slots, 64 ranks]
+    and VT [128 channels, 16 slots], ranks and channels in the code operands' orders (key_rank_channels,
+    value_channels). Loaded once, by the first split."""
+    s = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
+    r = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))
+    chan = 8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
+    keys = gl.load(kx_row + s[:, None] * kx_ss + (h * 64 + chan)[None, :], mask=(s < SINKS)[:, None], other=0.0)
+    ch = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))
+    sv = gl.arange(0, 16, layout=gl.SliceLayout(0, A_OP))
+    phys = 16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7)
+    values = gl.load(vx_row + (h * 128 + phys)[:, None] + sv[None, :] * vx_ss, mask=(sv < SINKS)[None, :], other=0.0)
+    return keys, values
+
+
+@gluon.jit
+def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, m_ptr, l_ptr,
+               acc_ptr, kw_sb, kw_sh2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, kx_sb, kx_ss, vx_sb, vx_ss, splits,
+               row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr,
+               KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr, SINKS: gl.constexpr):
+    """Partials of split program_id(1) (of `splits`) of (batch row, KV head) program_id(0) over the slots [0, end) of
+    its batch row b, all of them far (end: the least of far_hi_ptr[b * KV_HEADS + h] over its KV heads h, rounded
+    down to a multiple of 64; `latent_decode.far_prep_kernel`'s firsts): written as the decode kernel writes its
+    splits' (row (program_id(0) * row_splits + split) * GROUP_HEADS + query head of m_ptr, l_ptr: the running
+    maximum in base 2 and the sum of 2^(score - m); of acc_ptr [rows, 128]: the latent context, unnormalized). The
+    first SINKS slots (16 at most) come from their exact copies (kx_ptr, vx_ptr; their first rows), read by the
+    first split. Strides in the elements of each pointer (kw_sh2: the key words' head stride, halved: even, so that
+    a lane's two words load as one); q_ptr [rows * KV heads, 8 columns, 64 ranks] float16: the latent queries in the
+    ranks' order (key_rank_channels), zero columns past the query heads of a KV head."""
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // KV_HEADS
     h = bh % KV_HEADS
+    heads = gl.arange(0, 64, layout=HEADS)  # where the row's far slots end: kernels/latent_decode.py's far_end
+    firsts = gl.load(far_hi_ptr + b * KV_HEADS + heads, mask=heads < KV_HEADS, other=2 ** 30)
+    n_far = gl.min(firsts, axis=0) // 64 * 64
+    per_split = (((n_far + splits - 1) // splits + 63) // 64) * 64
     lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_slots)
+    hi = gl.minimum(lo + per_split, n_far)
     kw_row = kw_ptr + b * kw_sb + h * (kw_sh2 * 2)
     ks_row = ks_ptr + b * ks_sb + h * ks_sh
     kz_row = kz_ptr + b * ks_sb + h * ks_sh
@@ -238,12 +265,23 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, q_ptr, m_ptr, l_p
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)  # per-row sums, added over rows at the end
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+    slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    if SINKS > 0:
+        if (split == 0) & (n_far > 0):
+            keys, values = _exact_tile(kx_ptr + b * kx_sb, vx_ptr + b * vx_sb, kx_ss, vx_ss, h, SINKS)
+            scores = mma_v2(keys, q, gl.zeros([16, 8], gl.float32, layout=MMA))
+            scores = gl.where((slot < SINKS)[:, None], scores, -float("inf"))
+            m_i = gl.max(scores, axis=0)
+            l_rows = _ex2(scores - m_i[None, :])
+            acc = mma_v2(values, gl.convert_layout(l_rows.to(gl.float16), B_OP), acc)
     for s0 in range(lo, hi, 64):
         t0 = _load(rows, s0 + 0, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
         t1 = _load(rows, s0 + 16, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
         t2 = _load(rows, s0 + 32, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
         t3 = _load(rows, s0 + 48, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
         sc0 = mma_v2(_keys(t0), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        if SINKS > 0:  # the sinks' codes: their exact copies came first
+            sc0 = gl.where((s0 + slot >= SINKS)[:, None], sc0, -float("inf"))
         sc1 = mma_v2(_keys(t1), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         sc2 = mma_v2(_keys(t2), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         sc3 = mma_v2(_keys(t3), q, gl.zeros([16, 8], gl.float32, layout=MMA))
@@ -261,13 +299,15 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, q_ptr, m_ptr, l_p
         acc = mma_v2(_values(t2, v_shift), gl.convert_layout(p2.to(gl.float16), B_OP), acc)
         acc = mma_v2(_values(t3, v_shift), gl.convert_layout(p3.to(gl.float16), B_OP), acc)
 
-    # the partials: acc's channels in value_channels' order
+    # the partials, the context's channels in the cache's order
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    out = (bh * splits + split) * 8
-    gl.store(m_ptr + out + cols, m_i)
-    gl.store(l_ptr + out + cols, gl.sum(l_rows, axis=0))
+    row = (bh * row_splits + split) * GROUP_HEADS + cols
+    ok = cols < GROUP_HEADS
+    gl.store(m_ptr + row, m_i, mask=ok)
+    gl.store(l_ptr + row, gl.sum(l_rows, axis=0), mask=ok)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    gl.store(acc_ptr + (out + cols)[None, :] * 128 + ch[:, None], acc)
+    phys = 16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7)  # value_channels
+    gl.store(acc_ptr + row[None, :] * 128 + phys[:, None], acc, mask=ok[None, :])
 
 
 @gluon.jit

@@ -94,11 +94,12 @@ def _exp2(x, FAST_MATH: tl.constexpr):
 
 
 @triton.jit
-def _split_range(length_ptr, num_splits, BLOCK_S: tl.constexpr):
-    """(length, first slot, end) of this program's split: whole tiles, as even as the length allows."""
+def _split_range(length_ptr, num_splits, start, BLOCK_S: tl.constexpr):
+    """(length, first slot, end) of this program's split of the slots [start, length) (start a tile boundary):
+    whole tiles, as even as the length allows."""
     length = tl.load(length_ptr).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_S) * BLOCK_S
-    s_lo = tl.program_id(1) * per_split
+    per_split = tl.cdiv(tl.cdiv(length - start, num_splits), BLOCK_S) * BLOCK_S
+    s_lo = start + tl.program_id(1) * per_split
     return length, s_lo, tl.minimum(s_lo + per_split, length)
 
 
@@ -334,6 +335,7 @@ def latent_decode_kernel(
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr, mask_ptr, mask_sb, mask_ss, length_ptr,
         far_ptr, far_bias_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         qk_scale, num_splits, k_width, k_sinks, k_window, v_width, v_sinks, v_window, rope_window, k_desc, v_desc,
+        start_ptr, far_splits,
         KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
@@ -345,7 +347,7 @@ def latent_decode_kernel(
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, VALUES_FIRST: tl.constexpr,
         BLOCK_S: tl.constexpr, POSITIONS_AHEAD: tl.constexpr = False, ACROSS_BOTH: tl.constexpr = False,
-        CHECK_BLOCK: tl.constexpr = 1024):
+        CHECK_BLOCK: tl.constexpr = 1024, FAR: tl.constexpr = False):
     """Partial attention of one (batch row, KV head, split, value chunk): the tiles of the split's slots
     [s_lo, s_hi) through `_attend_tile`, those without exact copies first, except this step's slot (length - 1),
     which the split holding it adds last from new_k / new_v. MASK_KIND 0 none, 1 boolean, 2 additive;
@@ -353,7 +355,9 @@ def latent_decode_kernel(
     behind this step's scores as if exactly that far: the leading whole tiles of such slots against their latents
     (the queries in latent space, `_attend_tile`'s FAR: made here for head- and group-wise factors, read from
     far_ptr and far_bias_ptr for joint ones), the rest with keys turned to their positions, the far ones among them
-    to the window's edge."""
+    to the window's edge. FAR: the slots before far_end(start_ptr, b) (far_prep_kernel's; all of them far) are
+    another kernel's, which wrote its partials to the first far_splits splits of the buffers (`gluon_far.far_kernel`);
+    this kernel's splits cover the rest of the row and follow them."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
     # each side of the cache as latent_tiles.latent_tile takes it
     k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
@@ -362,7 +366,10 @@ def latent_decode_kernel(
                v_width, v_sinks, v_window)
     mask = (mask_ptr, mask_sb, mask_ss)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
-    length, s_lo, s_hi = _split_range(length_ptr, num_splits, BLOCK_S)
+    start = 0
+    if FAR:  # a multiple of the far loop's 64-slot tile, so of BLOCK_S too (64, or FALLBACK's 16)
+        start = far_end(start_ptr, b, KV_HEADS, 64)
+    length, s_lo, s_hi = _split_range(length_ptr, num_splits, start, BLOCK_S)
     last = length - 1
     cached_hi = tl.minimum(s_hi, last)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -609,7 +616,10 @@ def latent_decode_kernel(
             acc = acc * alpha[None, :] + value[:, None] * p[None, :]
         else:
             acc = acc * alpha[:, None] + p[:, None] * value[None, :]
-    row = (pid_bh * num_splits + tl.program_id(1)) * GROUP_HEADS + g                     # [G_PAD]
+    if FAR:
+        row = (pid_bh * (far_splits + num_splits) + far_splits + tl.program_id(1)) * GROUP_HEADS + g  # [G_PAD]
+    else:
+        row = (pid_bh * num_splits + tl.program_id(1)) * GROUP_HEADS + g
     ch = v_part * V_CHUNK + v_order
     if VALUES_FIRST:
         tl.store(part_acc_ptr + row[None, :] * V_BLOCK_RANK + ch[:, None], acc,
@@ -620,6 +630,63 @@ def latent_decode_kernel(
     if v_part == 0:
         tl.store(part_max_ptr + row, m_i, mask=g_ok)
         tl.store(part_sum_ptr + row, l_i, mask=g_ok)
+
+
+@triton.jit
+def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, inv_freq_ptr, pos_ptr, pos_sb, length_ptr, out_ptr, first_ptr,
+                    exact_window, rope_window, qk_scale, KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, RANK: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """What the Gluon far loop (`gluon_far.far_kernel`) needs of a decode step, per (batch row b, KV head h): the
+    latent queries of h's query heads as windowed RoPE scores far slots, qk_scale R(window - p) q through h's rows of
+    B_k (rows_ptr: float32 [kv_heads, RANK, HEAD_DIM]; p this step's position), float16 out_ptr [rows * kv_heads, 8,
+    RANK] in the far loop's rank order (`gluon_far.key_rank_channels`), zero columns past the query heads; and
+    first_ptr[b * kv_heads + h]: the first slot of h's share of [0, end) whose position is less than rope_window
+    behind this step's (end if none), end the last multiple of TILE at most length - exact_window. The far loop's
+    slots of row b end at the least of its KV heads' firsts, rounded down to a multiple of TILE (`far_end`)."""
+    pid = tl.program_id(0)
+    b, h = pid // KV_HEADS, pid % KV_HEADS
+    length = tl.load(length_ptr).to(tl.int32)
+    row = pos_ptr + b * pos_sb
+    at = tl.load(row + length - 1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    angle = (rope_window - at).to(tl.float32) * tl.load(inv_freq_ptr + d).to(tl.float32)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    r = tl.arange(0, RANK)
+    chan = 8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
+    rows = rows_ptr + (h * RANK + chan)[:, None] * HEAD_DIM + d[None, :]
+    rows1 = tl.load(rows)
+    rows2 = tl.load(rows + HALF)
+    for g in tl.static_range(8):
+        latent = tl.zeros([RANK], tl.float32)
+        if g < GROUP_HEADS:
+            q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g) * q_sh + d
+            q1 = tl.load(q_at).to(tl.float32)
+            q2 = tl.load(q_at + HALF).to(tl.float32)
+            turned1, turned2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+            latent = (tl.sum(rows1 * turned1[None, :], 1) + tl.sum(rows2 * turned2[None, :], 1)) * qk_scale
+        tl.store(out_ptr + (pid * 8 + g) * RANK + r, latent.to(tl.float16))
+    limit = at - rope_window
+    end = tl.maximum(length - exact_window, 0) // TILE * TILE
+    share = tl.cdiv(end, KV_HEADS)
+    lo = h * share
+    hi = tl.minimum(lo + share, end)
+    first = tl.full([BLOCK], 0, tl.int32) + end
+    for s0 in range(lo, hi, BLOCK):
+        slots = s0 + tl.arange(0, BLOCK)
+        inside = slots < hi
+        near = inside & (tl.load(row + slots, mask=inside, other=0) > limit)
+        first = tl.minimum(first, tl.where(near, slots, end))
+    tl.store(first_ptr + pid, tl.min(first, 0))
+
+
+@triton.jit
+def far_end(first_ptr, b, KV_HEADS: tl.constexpr, TILE: tl.constexpr):
+    """Where the far loop's slots of batch row b end: far_prep_kernel's firsts of its KV heads (at most 64), least,
+    rounded down to a multiple of TILE."""
+    heads = tl.arange(0, 64)
+    firsts = tl.load(first_ptr + b * KV_HEADS + heads, mask=heads < KV_HEADS, other=2 ** 30)
+    return tl.min(firsts, 0) // TILE * TILE
 
 
 @triton.jit

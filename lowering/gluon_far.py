@@ -1,5 +1,6 @@
-"""Launching the budget-0.2 plan's Gluon far loop (`kernels/gluon_far.py`) over a latent cache, and reducing its
-partials. The first part of that plan's coming decode kernel: not yet called by the decode op (docs/gpu-notes.md)."""
+"""Launching the budget-0.2 plan's Gluon far loop (`kernels/gluon_far.py`): `far_splits` for the decode launcher
+(`triton_decode.decode_attention_with`, which hands the far slots to it where it can), `far_partials` and `combine`
+to run it over a cache on its own (its tests and `benchmarks/far_loop.py`)."""
 import functools
 import math
 
@@ -9,41 +10,104 @@ BLOCK = 64  # slots per iteration of a program
 # 128 registers a thread: 16 one-warp programs a multiprocessor, no spill (uncapped it takes 134 and ran 15-20% slower
 # on an H100); 16 splits fill the H100 at batch 16 and 8 KV heads (docs/gpu-notes.md)
 MAX_REGISTERS = 128
+RESIDENT = 16  # one-warp programs a multiprocessor at MAX_REGISTERS: the far loop's splits fill one wave of them
+RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit keys, 3-bit values, per-token groups)
 
 
 @functools.cache
-def _orders(device: torch.device):
-    """(key ranks' channels, context rows' channels) as index tensors on `device`, made once: no host copy per
+def _key_order(device: torch.device) -> torch.Tensor:
+    """The key ranks' channels (key_rank_channels) as an index tensor on `device`, made once: no host copy per
     launch, so a launch can be captured in a CUDA graph."""
     from lrkv_compile.kernels import gluon_far
 
-    return (torch.tensor(gluon_far.key_rank_channels(), device=device),
-            torch.tensor(gluon_far.value_channels(), device=device))
+    return torch.tensor(gluon_far.key_rank_channels(), device=device)
+
+
+def kernel_queries(far_queries: torch.Tensor) -> torch.Tensor:
+    """Latent queries [rows, kv_heads, group <= 8, 64] (scores = query . keys, base 2) -> the kernel's float16
+    [rows * kv_heads, 8, 64], ranks in key_rank_channels' order, zero columns past the group."""
+    rows, kv_heads, group, _ = far_queries.shape
+    out = torch.zeros(rows * kv_heads, 8, RANK_K, dtype=torch.float16, device=far_queries.device)
+    out[:, :group] = far_queries.reshape(rows * kv_heads, group, RANK_K)[..., _key_order(far_queries.device)]
+    return out
+
+
+def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, queries, far_hi, sinks,
+               splits, row_splits, part_max, part_sum, part_acc, kv_heads, group):
+    """Launch the far loop over the far slots of each batch row b, [0, far_end): far_hi int32 [rows * kv_heads] on
+    the GPU, far_end the least of row b's entries rounded down to a multiple of 64 (`latent_decode.far_prep_kernel`'s
+    firsts; the first `sinks` slots from k_exact and v_exact), in `splits` splits per (row, KV head), writing the
+    first splits of the decode kernel's partial buffers (row_splits splits each). queries: float16 [rows * kv_heads,
+    8, 64] (kernel_queries', or far_prep_kernel's)."""
+    from lrkv_compile.kernels import gluon_far
+
+    rows = far_hi.numel() // kv_heads  # the step's rows: the cache may hold more
+    assert queries.shape[0] == rows * kv_heads, (tuple(queries.shape), rows, kv_heads)
+    key_words, value_words = latent_k.view(torch.int32), latent_v.view(torch.int32)
+    exact_k = k_exact if sinks else queries
+    exact_v = v_exact if sinks else queries
+    gluon_far.far_kernel[(rows * kv_heads, splits)](
+        key_words, k_scale, k_zero, value_words, v_scale, v_zero, exact_k, exact_v, queries, far_hi, part_max,
+        part_sum, part_acc, key_words.stride(0), 4, k_scale.stride(0), 2, value_words.stride(0), 12,
+        v_scale.stride(0), 4, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0),
+        exact_v.stride(1) if sinks else 0, splits, row_splits, kw_ss=key_words.stride(1), ks_ss=k_scale.stride(1),
+        vw_ss=value_words.stride(1), vs_ss=v_scale.stride(1), KV_HEADS=kv_heads, GROUP_HEADS=group, SINKS=sinks,
+        num_warps=1, maxnreg=MAX_REGISTERS)
+
+
+def reference_far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, queries, far_hi,
+                          sinks, splits, row_splits, part_max, part_sum, part_acc, kv_heads, group):
+    """`far_splits` in torch, from the dequantized cache (its oracle, and its stand-in on a CPU, where Gluon kernels
+    do not run: the decode launcher's far-loop path is tested there with it). Reads far_hi on the host."""
+    from .quantize import dequantize
+
+    latent = torch.empty(queries.shape[0], group, RANK_K, device=queries.device)
+    latent[..., _key_order(queries.device)] = queries[:, :group].float()
+    acc, flat_max, flat_sum = part_acc.view(-1, RANK_V), part_max.view(-1), part_sum.view(-1)
+    firsts = far_hi.view(-1, kv_heads).amin(1).tolist()
+    for b, end in enumerate(first // BLOCK * BLOCK for first in firsts):
+        keys = dequantize(latent_k[b, :end], k_scale[b, :end], k_zero[b, :end], 4, GROUP).view(end, kv_heads, RANK_K)
+        values = dequantize(latent_v[b, :end], v_scale[b, :end], v_zero[b, :end], 3, GROUP).view(end, kv_heads,
+                                                                                                 RANK_V)
+        if sinks and end:
+            keys[:sinks] = k_exact[b, :sinks].float().view(sinks, kv_heads, RANK_K)
+            values[:sinks] = v_exact[b, :sinks].float().view(sinks, kv_heads, RANK_V)
+        per_split = math.ceil(math.ceil(end / splits) / BLOCK) * BLOCK if end else 0
+        for h in range(kv_heads):
+            for split in range(splits):
+                rows = ((b * kv_heads + h) * row_splits + split) * group + torch.arange(group)
+                lo, hi = split * per_split, min(split * per_split + per_split, end)
+                scores = latent[b * kv_heads + h] @ keys[lo:hi, h].T  # [group, slots]
+                top = scores.amax(-1) if hi > lo else torch.full((group,), -math.inf, device=scores.device)
+                weights = torch.exp2(scores - top[:, None])
+                flat_max[rows] = top
+                flat_sum[rows] = weights.sum(-1)
+                acc[rows] = weights @ values[lo:hi, h]
 
 
 def _check(name, tensor, shape):
     if tuple(tensor.shape) != tuple(shape):
-        raise NotImplementedError(f"far loop: {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} (4-bit keys "
-                         f"of rank 64 and 3-bit values of rank 128 per KV head, groups of 32 channels per token)")
+        raise NotImplementedError(f"far loop: {name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} (4-bit "
+                                  f"keys of rank 64 and 3-bit values of rank 128 per KV head, groups of 32 channels "
+                                  f"per token)")
 
 
 def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, splits: int):
-    """Per split of the slots, the partial softmax of `query` over the cached latents.
+    """Per split of the slots, the partial softmax of `query` over the cached latents, no slot exact.
 
     latent_k uint8 [rows, slots, kv_heads * 32], k_scale, k_zero float16 [rows, slots, kv_heads * 2], latent_v uint8
     [rows, slots, kv_heads * 48], v_scale, v_zero float16 [rows, slots, kv_heads * 4] (the cache's layout,
     `lowering/quantize.py`); query [rows, kv_heads, group <= 8, 64]: latent queries, scores = query . keys in base 2.
     slots must be whole 64-slot tiles. Returns (m, l [rows, kv_heads, splits, group], ctx [rows, kv_heads, splits,
-    group, 128]): the running maximum, the sum of 2^(score - m) and the unnormalized latent context, its channels in
-    the kernel's order (`gluon_far.value_channels`; `combine` puts them back)."""
-    from lrkv_compile.kernels import gluon_far
-
-    rows, slots, width = latent_k.shape
+    group, 128]): the running maximum, the sum of 2^(score - m) and the unnormalized latent context (`combine`)."""
+    rows, slots, _ = latent_k.shape
     kv_heads, group = query.shape[1], query.shape[2]
     if latent_k.device.type != "cuda":
-        raise NotImplementedError("far loop: the Gluon kernel runs on CUDA tensors only (the reference op is the CPU path)")
-    if query.shape[0] != rows or query.shape[3] != 64 or not 1 <= group <= 8:
-        raise ValueError(f"far loop: query has shape {tuple(query.shape)}, expected [{rows}, kv_heads, 1..8, 64]")
+        raise NotImplementedError("far loop: the Gluon kernel runs on CUDA tensors only (the reference op is the CPU "
+                                  "path)")
+    if query.shape[0] != rows or query.shape[3] != RANK_K or not 1 <= group <= 8:
+        raise NotImplementedError(f"far loop: query has shape {tuple(query.shape)}, expected [{rows}, kv_heads, 1..8, "
+                                  f"{RANK_K}]")
     for name, tensor, per_head in (("latent_k", latent_k, 32), ("k_scale", k_scale, 2), ("k_zero", k_zero, 2),
                                    ("latent_v", latent_v, 48), ("v_scale", v_scale, 4), ("v_zero", v_zero, 4)):
         _check(name, tensor, (rows, slots, kv_heads * per_head))
@@ -51,30 +115,19 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
             raise NotImplementedError(f"far loop: {name} must be contiguous (the cache's row layout)")
     if slots % BLOCK or slots == 0:
         raise ValueError(f"far loop: {slots} slots; the loop reads whole tiles of {BLOCK}")
-    per_split = math.ceil(slots / max(1, splits) / BLOCK) * BLOCK
-    splits = math.ceil(slots / per_split)  # no empty split
-    q = torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16, device=latent_k.device)
-    q[:, :group] = query.reshape(rows * kv_heads, group, 64)[..., _orders(latent_k.device)[0]].to(torch.float16)
-    m = torch.empty(rows * kv_heads, splits, 8, device=latent_k.device)
+    splits = math.ceil(slots / (math.ceil(slots / max(1, splits) / BLOCK) * BLOCK))  # no empty split
+    device = latent_k.device
+    m = torch.empty(rows, kv_heads, splits, group, device=device)
     l = torch.empty_like(m)
-    acc = torch.empty(rows * kv_heads, splits, 8, 128, device=latent_k.device)
-    key_words, value_words = latent_k.view(torch.int32), latent_v.view(torch.int32)
-    gluon_far.far_kernel[(rows * kv_heads, splits)](
-        key_words, k_scale, k_zero, value_words, v_scale, v_zero, q, m, l, acc,
-        key_words.stride(0), 4, k_scale.stride(0), 2, value_words.stride(0), 12, v_scale.stride(0), 4,
-        per_split, slots, splits, kw_ss=key_words.stride(1), ks_ss=k_scale.stride(1), vw_ss=value_words.stride(1),
-        vs_ss=v_scale.stride(1), KV_HEADS=kv_heads, num_warps=1, maxnreg=MAX_REGISTERS)
-    shape = (rows, kv_heads, splits)
-    return m[..., :group].reshape(*shape, group), l[..., :group].reshape(*shape, group), \
-        acc[:, :, :group].reshape(*shape, group, 128)
+    ctx = torch.empty(rows, kv_heads, splits, group, RANK_V, device=device)
+    far_splits(latent_k=latent_k, k_scale=k_scale, k_zero=k_zero, k_exact=None, latent_v=latent_v, v_scale=v_scale,
+               v_zero=v_zero, v_exact=None, queries=kernel_queries(query), sinks=0,
+               far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32, device=device), splits=splits,
+               row_splits=splits, part_max=m, part_sum=l, part_acc=ctx, kv_heads=kv_heads, group=group)
+    return m, l, ctx
 
 
 def combine(m, l, ctx):
-    """far_partials' partials -> the normalized latent context [rows, kv_heads, group, 128], in the cache's channel
-    order."""
-    top = m.amax(2, keepdim=True)
-    weight = torch.exp2(m - top)
-    reduced = (weight[..., None] * ctx).sum(2) / (weight * l).sum(2)[..., None]
-    out = torch.empty_like(reduced)
-    out[..., _orders(ctx.device)[1]] = reduced
-    return out
+    """far_partials' partials -> the normalized latent context [rows, kv_heads, group, 128]."""
+    weight = torch.exp2(m - m.amax(2, keepdim=True))
+    return (weight[..., None] * ctx).sum(2) / (weight * l).sum(2)[..., None]

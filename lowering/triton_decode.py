@@ -4,10 +4,12 @@ the splits).
 
 `decode_attention(**kwargs)` takes the keyword arguments of `reference.latent_attention` and returns what it
 returns for tokens == 1; anything it does not cover raises NotImplementedError naming what, so the caller can run
-the reference instead. The kernels are `kernels/latent_decode.py`.
+the reference instead. The kernels are `kernels/latent_decode.py`, and `kernels/gluon_far.py` for the budget plan's far
+slots (`far_loop_able`).
 """
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import warnings
@@ -41,7 +43,9 @@ class DecodeConfig:
     16-bit keep 0.5 lost with it (Llama-2-7B keep 0.5 w1024 0.718 -> 0.729 ms, budget 0.97 -> 1.00).
     across_both: windowed RoPE's tile across the window's edge goes through the far loop (its far slots) and the
     near loop (the others) where it is whole, rather than through the loop of edge tiles, which turns each slot by
-    its own angle (latent_decode's ACROSS_BOTH; see WINDOWED_HALVES_MHA for where it is off)."""
+    its own angle (latent_decode's ACROSS_BOTH; see WINDOWED_HALVES_MHA for where it is off).
+    far_loop: where the cache holds what the Gluon far loop reads (`far_loop_able`), the slots before the window go
+    through it and this kernel takes the rest."""
     block_s: int = 32
     num_warps: int = 4
     num_stages: int = 3
@@ -49,6 +53,7 @@ class DecodeConfig:
     tma: bool = True
     positions_ahead: bool = False
     across_both: bool = True
+    far_loop: bool = True
 
 
 # the fastest of CANDIDATES on an H100 at 16K (benchmarks/attention.py --sweep): 255 registers, two programs per
@@ -80,6 +85,12 @@ FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
 # exact RoPE read right. 16-bit latents read right with 8 warps. Refused, not launched
 MAX_WARPS_WITH_CODES = 4
 WAVE_FILL = 0.9  # the least share of the last wave of programs the split of the slots accepts
+MAX_SPLITS = 64  # the most splits of a row's slots per kernel (the combine reads them one after another)
+# the far loop's path (DecodeConfig.far_loop) from caches of this many slots: it has costs of its own (its queries and
+# the end of its slots, 7 us; the window's slots apart, 30 us) that a short cache does not repay (budget 0.2 w1024,
+# Llama-3-8B shape, batch 16, H100: 4K 0.0841 -> 0.0927 ms, 16K 0.2416 -> 0.1567). The capacity, not the length:
+# the length is on the GPU
+FAR_LOOP_FROM = 8192
 _BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)
 
 
@@ -159,8 +170,8 @@ def _geometry(kernel, arguments, constants, config, device, bf16_codes, interpre
 def _splits(base: int, slots: int, capacity: int, block_s: int) -> int:
     """Splits of the cache per (batch row, KV head, value chunk): the fewest that make the grid fill whole waves
     of resident programs (`slots` programs at a time) to WAVE_FILL, as long programs amortize their setup;
-    at most 64 and at least two tiles each."""
-    most = max(1, min(capacity // (2 * block_s), 64))
+    at most MAX_SPLITS and at least two tiles each."""
+    most = max(1, min(capacity // (2 * block_s), MAX_SPLITS))
     for splits in range(1, most + 1):
         waves = base * splits / slots
         if waves >= WAVE_FILL and waves / math.ceil(waves) >= WAVE_FILL:
@@ -357,6 +368,38 @@ def launch_config(*, query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     return default_config(half_keys, codes, values["CHUNK"], windowed, group)
 
 
+@functools.lru_cache(maxsize=None)
+def _gluon() -> bool:
+    """Whether this Triton has the Gluon dialect the far loop is written in."""
+    return importlib.util.find_spec("triton.experimental.gluon") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_sync(device: torch.device) -> bool:
+    """Whether `device` runs the far loop's tensor-core products (mma.sync m16n8k16: an NVIDIA GPU from sm_80)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def far_loop_able(*, config, interpret, windowed, query, attn_mask, bias_k, num_kv_heads, group, k_blocks, v_blocks,
+                  keys, values, k_bits, v_bits, k_group, v_group, k_axis, v_axis, k_outliers, v_outliers, k_sinks,
+                  v_sinks, up_v, **_) -> bool:
+    """Whether the Gluon far loop (`lowering/gluon_far.py`) can take this step's far slots: windowed RoPE over the
+    budget plan's latents (per KV head 4-bit keys of rank 64 and 3-bit values of rank 128, groups of 32 per token, no
+    outliers, the same sinks on both sides, 16 at most: its first 16-slot group), float16, head-wise factors, no mask
+    or key bias, 64-slot tiles (the far loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80."""
+    from . import gluon_far
+
+    return (not interpret and windowed and _gluon() and _mma_sync(query.device) and query.dtype == torch.float16
+            and attn_mask is None
+            and config.block_s == gluon_far.BLOCK and num_kv_heads <= 64
+            and bias_k is None and up_v is not None and group <= 8 and k_blocks == num_kv_heads
+            and v_blocks == num_kv_heads and keys["BLOCK_RANK"] == gluon_far.RANK_K
+            and values["BLOCK_RANK"] == gluon_far.RANK_V and (k_bits, v_bits) == (4, 3)
+            and k_group == v_group == gluon_far.GROUP and k_axis == v_axis == "token"
+            and k_outliers == v_outliers == 0 and k_sinks == v_sinks and k_sinks <= 16
+            and (not k_sinks or (keys["EXACT"] and values["EXACT"])))
+
+
 def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_scale, k_zero, k_exact, latent_v,
                           v_scale, v_zero, v_exact, positions, new_k, new_v, up_k, bias_k, up_v, bias_v, inv_freq,
                           rope_scale, length, attn_mask, softmax_scale, num_kv_heads, k_bits, k_group, k_sinks,
@@ -389,13 +432,23 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     qk_scale = softmax_scale * (rope_scale if rope else 1.0) * math.log2(math.e)  # the kernel's softmax is base 2
     k, v = keys, values
     kernel = latent_decode.latent_decode_kernel
+    if config is None:
+        config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
+    # the far slots through the Gluon far loop, in its splits (one wave of its programs), before this kernel's; start:
+    # far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
+    far_splits, start = 0, None
+    if config.far_loop and capacity >= FAR_LOOP_FROM and far_loop_able(**locals()):
+        from . import gluon_far
+        far_splits = min(MAX_SPLITS, max(1, round(gluon_far.RESIDENT * _multiprocessors(device)
+                                                  / (batch * num_kv_heads))))
+        start = torch.empty(batch * num_kv_heads, dtype=torch.int32, device=device)
     far, far_bias = query, query
     if windowed and keys["BLOCK_RANK"] > keys["CHUNK"]:  # joint keys: the kernel reads the far queries chunk by chunk
         far, far_bias = far_queries(query, positions, length, inv_freq, up_k, bias_k, num_kv_heads, k_blocks,
                                     rope_window, g_pad)
         far_bias = query if far_bias is None else far_bias
 
-    def arguments(splits, part_acc, part_max, part_sum, block_s):
+    def arguments(splits, part_acc, part_max, part_sum, block_s, start=None):
         return (
             query, query.stride(0), query.stride(1),
             k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"], k["scale"].stride(0),
@@ -410,7 +463,8 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
             part_acc, part_max, part_sum,
             qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"],
             int(rope_window) if windowed else 0,
-            tile_descriptor(k, block_s) if tma[0] else None, tile_descriptor(v, block_s) if tma[1] else None)
+            tile_descriptor(k, block_s) if tma[0] else None, tile_descriptor(v, block_s) if tma[1] else None,
+            start, far_splits)
 
     constants = dict(
         KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=g_pad, HEAD_DIM=head_dim,
@@ -424,9 +478,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         KEY_DTYPE=tl.float16 if half_keys else tl.float32, IEEE=query.dtype == torch.float32, WINDOWED=windowed,
-        VALUES_FIRST=values_first(v, interpret))
-    if config is None:
-        config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
+        VALUES_FIRST=values_first(v, interpret), FAR=far_splits > 0)
     if codes and config.num_warps > MAX_WARPS_WITH_CODES:
         raise NotImplementedError(f"num_warps={config.num_warps} over quantized latents: wrong results or an illegal "
                                   f"memory access on an H100 (Triton 3.6); take {MAX_WARPS_WITH_CODES} warps or fewer")
@@ -437,16 +489,35 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     if geometry_key not in _GEOMETRY:
         scratch = torch.empty(1, dtype=torch.float32, device=device)
         bf16_codes = query.dtype == torch.bfloat16 and codes and not interpret
-        _GEOMETRY[geometry_key] = _geometry(kernel, functools.partial(arguments, 2, scratch, scratch, scratch),
+        _GEOMETRY[geometry_key] = _geometry(kernel, functools.partial(arguments, 2, scratch, scratch, scratch,
+                                                                      start=start),
                                             constants, config, device, bf16_codes, interpret)
     launch, resident = _GEOMETRY[geometry_key]
-    splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
-    rows = batch * num_kv_heads * splits * group
+    if far_splits:  # this kernel's splits over the window's slots only: as many as one wave holds
+        splits = min(MAX_SPLITS, max(1, resident * _multiprocessors(device) // base))
+    else:
+        splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
+    rows = batch * num_kv_heads * (far_splits + splits) * group
     part_acc = torch.empty(rows * v_range, dtype=torch.float32, device=device)
     part_max = torch.empty(rows, dtype=torch.float32, device=device)
     part_sum = torch.empty(rows, dtype=torch.float32, device=device)
+    if far_splits:
+        from . import gluon_far
+        queries = torch.empty(batch * num_kv_heads, 8, gluon_far.RANK_K, dtype=torch.float16, device=device)
+        launch_kernel(latent_decode.far_prep_kernel, (batch * num_kv_heads,),
+                      (query, query.stride(0), query.stride(1), _per_head(up_k, num_kv_heads, k_blocks),
+                       inv_freq.float().contiguous(), positions, positions.stride(0), length, queries, start,
+                       max(k["window"], v["window"]), int(rope_window), qk_scale),
+                      dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, HEAD_DIM=head_dim, RANK=gluon_far.RANK_K,
+                           TILE=gluon_far.BLOCK, BLOCK=1024))
+        gluon_far.far_splits(
+            latent_k=latent_k, k_scale=k_scale, k_zero=k_zero, k_exact=k_exact, latent_v=latent_v, v_scale=v_scale,
+            v_zero=v_zero, v_exact=v_exact, queries=queries,
+            far_hi=start, sinks=k["sinks"], splits=far_splits, row_splits=far_splits + splits, part_max=part_max,
+            part_sum=part_sum, part_acc=part_acc, kv_heads=num_kv_heads, group=group)
     launch_kernel(kernel, (batch * num_kv_heads, splits, v_parts),
-                  arguments(splits, part_acc, part_max, part_sum, launch["BLOCK_S"]), {**constants, **launch})
+                  arguments(splits, part_acc, part_max, part_sum, launch["BLOCK_S"], start), {**constants, **launch})
+    splits += far_splits
     if up_v is None:  # the output projection absorbed B_v: the latent context itself
         context = torch.empty(batch * heads, v_range, dtype=torch.float32, device=device)
         chunk = min(_pow2(v_range), 256)

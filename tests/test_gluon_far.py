@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon", reason="the Gluon far loop needs Triton's Gluon dialect")
 
 from lrkv_compile.kernels import gluon_far  # noqa: E402
-from lrkv_compile.lowering.gluon_far import combine, far_partials  # noqa: E402
+from lrkv_compile.lowering.gluon_far import combine, far_partials, far_splits  # noqa: E402
 from lrkv_compile.lowering.quantize import dequantize, quantize  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -31,12 +31,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from lrkv_compile.kernels import gluon_far
 from lrkv_compile.lowering.gluon_far import MAX_REGISTERS
 
-signature = {name: "*i32" if name in ("kw_ptr", "vw_ptr") else "*fp16"
-             for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "q_ptr")}
+signature = {name: "*i32" if name in ("kw_ptr", "vw_ptr", "far_hi_ptr") else "*fp16"
+             for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "kx_ptr", "vx_ptr", "q_ptr",
+                          "far_hi_ptr")}
 signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
 signature.update({name: "i32" for name in ("kw_sb", "kw_sh2", "ks_sb", "ks_sh", "vw_sb", "vw_sh", "vs_sb", "vs_sh",
-                                           "per_split", "n_slots", "splits")})
-constants = dict(kw_ss=64, ks_ss=16, vw_ss=96, vs_ss=32, KV_HEADS=8)
+                                           "kx_sb", "kx_ss", "vx_sb", "vx_ss", "splits", "row_splits")})
+constants = dict(kw_ss=64, ks_ss=16, vw_ss=96, vs_ss=32, KV_HEADS=8, GROUP_HEADS=4, SINKS=4)
 signature.update({name: "constexpr" for name in constants})
 names = list(signature)
 source = GluonASTSource(gluon_far.far_kernel, signature,
@@ -57,7 +58,8 @@ def test_compiles_for_hopper_without_shared_memory():
     done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert facts == dict(shared=0, barriers=0, shared_stores=0, products=4 * 4 + 4 * 8)  # per 64 slots: 4 x (4 + 8)
+    # per 64 slots 4 x (4 + 8) products, and the sinks' tile's 4 + 8
+    assert facts == dict(shared=0, barriers=0, shared_stores=0, products=4 * 4 + 4 * 8 + 4 + 8)
 
 
 def _cache(rows, slots, kv_heads, generator):
@@ -91,3 +93,23 @@ def test_refuses_what_it_does_not_read():
     query = torch.zeros(1, 2, 4, 64)
     with pytest.raises(NotImplementedError, match="CUDA tensors only"):
         far_partials(*cache, query, 1)
+
+
+def test_the_launch_covers_the_rows_of_the_step_not_of_the_cache(monkeypatch):
+    """A cache may hold more batch rows than the step: the far loop's grid (and what it writes) follows the step's
+    (far_hi and the queries), not the cache's first axis."""
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(grid)
+    monkeypatch.setattr(gluon_far, "far_kernel", Recorder())
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = _cache(3, 128, 2, torch.Generator().manual_seed(0))
+    step_rows, kv_heads, splits = 2, 2, 4
+    part = torch.empty(step_rows * kv_heads * splits * 4)
+    far_splits(latent_k=k_codes, k_scale=k_scale, k_zero=k_zero, k_exact=None, latent_v=v_codes, v_scale=v_scale,
+               v_zero=v_zero, v_exact=None, queries=torch.zeros(step_rows * kv_heads, 8, 64, dtype=torch.float16),
+               far_hi=torch.full((step_rows * kv_heads,), 128, dtype=torch.int32), sinks=0, splits=splits,
+               row_splits=splits, part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
+               kv_heads=kv_heads, group=4)
+    assert launched == [(step_rows * kv_heads, splits)]
