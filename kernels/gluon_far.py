@@ -117,7 +117,7 @@ def _ex2(x):
 
 @gluon.jit
 def _load(rows, s0, offsets, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr):
-    """The raw words, scales and zero points of the 16 slots from s0, in the layouts _operands takes them.
+    """The raw words, scales and zero points of the 16 slots from s0, in the layouts _keys and _values take them.
     Keys: two halves of 8 slots (rows g and g + 8)."""
     kw_row, ks_row, kz_row, vw_row, vs_row, vz_row = rows
     k_off, ks_off, v_off, vs_off = offsets
@@ -385,16 +385,14 @@ def _value_operand(V0, V1):
 
 def key_rank_channels() -> list[int]:
     """The key channel (of the KV head's 64) rank r of the key operand holds: r = 32 w0 + 16 a + 8 b + 4 w2 + 2 w1 +
-    c holds code [0, 4, 1, 5, 2, 6, 3, 7][4 a + 2 b + c] of word 4 w2 + 2 w1 + w0 (_operands' joins)."""
-    out = []
-    for r in range(64):
-        c, w1, w2, b, a, w0 = (r >> 0) & 1, (r >> 1) & 1, (r >> 2) & 1, (r >> 3) & 1, (r >> 4) & 1, (r >> 5) & 1
-        k = 4 * a + 2 * b + c
-        out.append(8 * (4 * w2 + 2 * w1 + w0) + [0, 4, 1, 5, 2, 6, 3, 7][k])
-    return out
+    c holds code [0, 4, 1, 5, 2, 6, 3, 7][4 a + 2 b + c] = 2 a + b + 4 c of word 4 w2 + 2 w1 + w0 (_keys' joins).
+    The same formula is written out in _exact_tile."""
+    return [8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
+            for r in range(64)]
 
 
 def value_channels() -> list[int]:
     """The value channel (of the KV head's 128) row ch of the context holds: lane g = ch % 8 holds 3-byte words 2g and
-    2g + 1 of the codes, ch // 64 picks the word and (ch // 8) % 8 the code in it (_value_operand's joins)."""
+    2g + 1 of the codes, ch // 64 picks the word and (ch // 8) % 8 the code in it (_value_operand's joins). The same
+    formula is written out in _exact_tile and far_kernel's store."""
     return [16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7) for ch in range(128)]

@@ -633,13 +633,14 @@ def latent_decode_kernel(
 
 
 @triton.jit
-def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, inv_freq_ptr, pos_ptr, pos_sb, length_ptr, out_ptr, first_ptr,
-                    exact_window, rope_window, qk_scale, KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr,
+def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, order_ptr, inv_freq_ptr, pos_ptr, pos_sb, length_ptr, out_ptr,
+                    first_ptr, exact_window, rope_window, qk_scale, KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, RANK: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """What the Gluon far loop (`gluon_far.far_kernel`) needs of a decode step, per (batch row b, KV head h): the
     latent queries of h's query heads as windowed RoPE scores far slots, qk_scale R(window - p) q through h's rows of
     B_k (rows_ptr: float32 [kv_heads, RANK, HEAD_DIM]; p this step's position), float16 out_ptr [rows * kv_heads, 8,
-    RANK] in the far loop's rank order (`gluon_far.key_rank_channels`), zero columns past the query heads; and
+    RANK] in the far loop's rank order (order_ptr: the channel of each rank, `gluon_far.key_order`), zero columns past
+    the query heads; and
     first_ptr[b * kv_heads + h]: the first slot of h's share of [0, end) whose position is less than rope_window
     behind this step's (end if none), end the last multiple of TILE at most length - exact_window. The far loop's
     slots of row b end at the least of its KV heads' firsts, rounded down to a multiple of TILE (`far_end`)."""
@@ -653,8 +654,7 @@ def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, inv_freq_ptr, pos_ptr, pos_
     angle = (rope_window - at).to(tl.float32) * tl.load(inv_freq_ptr + d).to(tl.float32)
     cos, sin = tl.cos(angle), tl.sin(angle)
     r = tl.arange(0, RANK)
-    chan = 8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
-    rows = rows_ptr + (h * RANK + chan)[:, None] * HEAD_DIM + d[None, :]
+    rows = rows_ptr + (h * RANK + tl.load(order_ptr + r))[:, None] * HEAD_DIM + d[None, :]
     rows1 = tl.load(rows)
     rows2 = tl.load(rows + HALF)
     for g in tl.static_range(8):

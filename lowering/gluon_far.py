@@ -15,7 +15,7 @@ RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit k
 
 
 @functools.cache
-def _key_order(device: torch.device) -> torch.Tensor:
+def key_order(device: torch.device) -> torch.Tensor:
     """The key ranks' channels (key_rank_channels) as an index tensor on `device`, made once: no host copy per
     launch, so a launch can be captured in a CUDA graph."""
     from lrkv_compile.kernels import gluon_far
@@ -28,7 +28,7 @@ def kernel_queries(far_queries: torch.Tensor) -> torch.Tensor:
     [rows * kv_heads, 8, 64], ranks in key_rank_channels' order, zero columns past the group."""
     rows, kv_heads, group, _ = far_queries.shape
     out = torch.zeros(rows * kv_heads, 8, RANK_K, dtype=torch.float16, device=far_queries.device)
-    out[:, :group] = far_queries.reshape(rows * kv_heads, group, RANK_K)[..., _key_order(far_queries.device)]
+    out[:, :group] = far_queries.reshape(rows * kv_heads, group, RANK_K)[..., key_order(far_queries.device)]
     return out
 
 
@@ -62,7 +62,7 @@ def reference_far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
     from .quantize import dequantize
 
     latent = torch.empty(queries.shape[0], group, RANK_K, device=queries.device)
-    latent[..., _key_order(queries.device)] = queries[:, :group].float()
+    latent[..., key_order(queries.device)] = queries[:, :group].float()
     acc, flat_max, flat_sum = part_acc.view(-1, RANK_V), part_max.view(-1), part_sum.view(-1)
     firsts = far_hi.view(-1, kv_heads).amin(1).tolist()
     for b, end in enumerate(first // BLOCK * BLOCK for first in firsts):

@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lrkv_compile.errors import SharedLatentsWarning
 from lrkv_compile.kernels import latent_decode
-from . import reference
+from . import gluon_far, reference
 from .launch import launch as launch_kernel
 
 BITS = (16, 8, 4, 3, 2)
@@ -387,8 +387,6 @@ def far_loop_able(*, config, interpret, windowed, query, attn_mask, bias_k, num_
     budget plan's latents (per KV head 4-bit keys of rank 64 and 3-bit values of rank 128, groups of 32 per token, no
     outliers, the same sinks on both sides, 16 at most: its first 16-slot group), float16, head-wise factors, no mask
     or key bias, 64-slot tiles (the far loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80."""
-    from . import gluon_far
-
     return (not interpret and windowed and _gluon() and _mma_sync(query.device) and query.dtype == torch.float16
             and attn_mask is None
             and config.block_s == gluon_far.BLOCK and num_kv_heads <= 64
@@ -438,7 +436,6 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     # far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
     far_splits, start = 0, None
     if config.far_loop and capacity >= FAR_LOOP_FROM and far_loop_able(**locals()):
-        from . import gluon_far
         far_splits = min(MAX_SPLITS, max(1, round(gluon_far.RESIDENT * _multiprocessors(device)
                                                   / (batch * num_kv_heads))))
         start = torch.empty(batch * num_kv_heads, dtype=torch.int32, device=device)
@@ -502,12 +499,11 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     part_max = torch.empty(rows, dtype=torch.float32, device=device)
     part_sum = torch.empty(rows, dtype=torch.float32, device=device)
     if far_splits:
-        from . import gluon_far
         queries = torch.empty(batch * num_kv_heads, 8, gluon_far.RANK_K, dtype=torch.float16, device=device)
         launch_kernel(latent_decode.far_prep_kernel, (batch * num_kv_heads,),
                       (query, query.stride(0), query.stride(1), _per_head(up_k, num_kv_heads, k_blocks),
-                       inv_freq.float().contiguous(), positions, positions.stride(0), length, queries, start,
-                       max(k["window"], v["window"]), int(rope_window), qk_scale),
+                       gluon_far.key_order(device), inv_freq.float().contiguous(), positions, positions.stride(0),
+                       length, queries, start, max(k["window"], v["window"]), int(rope_window), qk_scale),
                       dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, HEAD_DIM=head_dim, RANK=gluon_far.RANK_K,
                            TILE=gluon_far.BLOCK, BLOCK=1024))
         gluon_far.far_splits(
