@@ -116,6 +116,19 @@ def _ex2(x):
 
 
 @gluon.jit
+def _masked(scores, mask_row, s0, slot, mask_ss: gl.constexpr):
+    """Scores [16 slots, 8] of the slots from s0, -inf where the boolean mask is false."""
+    keep = gl.load(mask_row + (s0 + slot) * mask_ss)
+    return gl.where(keep[:, None], scores, -float("inf"))
+
+
+@gluon.jit
+def _finite(maxima):
+    """Running maxima with -inf (no slot seen) taken as 0, so that 2^(score - max) is 0, not NaN."""
+    return gl.where(maxima == -float("inf"), 0.0, maxima)
+
+
+@gluon.jit
 def _load(rows, s0, offsets, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr):
     """The raw words, scales and zero points of the 16 slots from s0, in the layouts _keys and _values take them.
     Keys: two halves of 8 slots (rows g and g + 8)."""
@@ -212,10 +225,11 @@ def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
 
 
 @gluon.jit
-def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, m_ptr, l_ptr,
-               acc_ptr, kw_sb, kw_sh2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, kx_sb, kx_ss, vx_sb, vx_ss, splits,
-               row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr,
-               KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr, SINKS: gl.constexpr):
+def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, mask_ptr, m_ptr,
+               l_ptr, acc_ptr, kw_sb, kw_sh2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, kx_sb, kx_ss, vx_sb, vx_ss,
+               mask_sb, splits, row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
+               vs_ss: gl.constexpr, mask_ss: gl.constexpr, KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr,
+               SINKS: gl.constexpr, HAS_MASK: gl.constexpr):
     """Partials of split program_id(1) (of `splits`) of (batch row, KV head) program_id(0) over the slots [0, end) of
     its batch row b, all of them far (end: the least of far_hi_ptr[b * KV_HEADS + h] over its KV heads h, rounded
     down to a multiple of 64; `latent_decode.far_prep_kernel`'s firsts): written as the decode kernel writes its
@@ -224,7 +238,9 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     first SINKS slots (16 at most) come from their exact copies (kx_ptr, vx_ptr; their first rows), read by the
     first split. Strides in the elements of each pointer (kw_sh2: the key words' head stride, halved: even, so that
     a lane's two words load as one); q_ptr [rows * KV heads, 8 columns, 64 ranks] float16: the latent queries in the
-    ranks' order (key_rank_channels), zero columns past the query heads of a KV head."""
+    ranks' order (key_rank_channels), zero columns past the query heads of a KV head. HAS_MASK: a boolean mask over
+    the slots (mask_ptr + b * mask_sb + slot * mask_ss, false: not attended; a row's left padding), whose splits may
+    then see no slot (their maximum stays -inf, their sum 0)."""
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // KV_HEADS
@@ -266,13 +282,16 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)  # per-row sums, added over rows at the end
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
     slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    mask_row = mask_ptr + b * mask_sb
     if SINKS > 0:
         if (split == 0) & (n_far > 0):
             keys, values = _exact_tile(kx_ptr + b * kx_sb, vx_ptr + b * vx_sb, kx_ss, vx_ss, h, SINKS)
             scores = mma_v2(keys, q, gl.zeros([16, 8], gl.float32, layout=MMA))
             scores = gl.where((slot < SINKS)[:, None], scores, -float("inf"))
+            if HAS_MASK:
+                scores = _masked(scores, mask_row, 0, slot, mask_ss)
             m_i = gl.max(scores, axis=0)
-            l_rows = _ex2(scores - m_i[None, :])
+            l_rows = _ex2(scores - _finite(m_i)[None, :])
             acc = mma_v2(values, gl.convert_layout(l_rows.to(gl.float16), B_OP), acc)
     for s0 in range(lo, hi, 64):
         t0 = _load(rows, s0 + 0, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
@@ -285,12 +304,20 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         sc1 = mma_v2(_keys(t1), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         sc2 = mma_v2(_keys(t2), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         sc3 = mma_v2(_keys(t3), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        if HAS_MASK:
+            sc0 = _masked(sc0, mask_row, s0, slot, mask_ss)
+            sc1 = _masked(sc1, mask_row, s0 + 16, slot, mask_ss)
+            sc2 = _masked(sc2, mask_row, s0 + 32, slot, mask_ss)
+            sc3 = _masked(sc3, mask_row, s0 + 48, slot, mask_ss)
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), axis=0))
-        alpha = _ex2(m_i - m_new)
-        p0 = _ex2(sc0 - m_new[None, :])
-        p1 = _ex2(sc1 - m_new[None, :])
-        p2 = _ex2(sc2 - m_new[None, :])
-        p3 = _ex2(sc3 - m_new[None, :])
+        m_use = m_new
+        if HAS_MASK:  # no slot seen yet (m_new -inf): exponents against 0, not -inf - -inf
+            m_use = _finite(m_new)
+        alpha = _ex2(m_i - m_use)
+        p0 = _ex2(sc0 - m_use[None, :])
+        p1 = _ex2(sc1 - m_use[None, :])
+        p2 = _ex2(sc2 - m_use[None, :])
+        p3 = _ex2(sc3 - m_use[None, :])
         l_rows = l_rows * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         acc = acc * alpha[None, :]
         m_i = m_new

@@ -33,12 +33,13 @@ def kernel_queries(far_queries: torch.Tensor) -> torch.Tensor:
 
 
 def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, queries, far_hi, sinks,
-               splits, row_splits, part_max, part_sum, part_acc, kv_heads, group):
+               splits, row_splits, part_max, part_sum, part_acc, kv_heads, group, attn_mask=None):
     """Launch the far loop over the far slots of each batch row b, [0, far_end): far_hi int32 [rows * kv_heads] on
     the GPU, far_end the least of row b's entries rounded down to a multiple of 64 (`latent_decode.far_prep_kernel`'s
     firsts; the first `sinks` slots from k_exact and v_exact), in `splits` splits per (row, KV head), writing the
     first splits of the decode kernel's partial buffers (row_splits splits each). queries: float16 [rows * kv_heads,
-    8, 64] (kernel_queries', or far_prep_kernel's)."""
+    8, 64] (kernel_queries', or far_prep_kernel's). attn_mask: None or the step's boolean mask [rows or 1, 1, 1,
+    slots] (false: not attended)."""
     from lrkv_compile.kernels import gluon_far
 
     rows = far_hi.numel() // kv_heads  # the step's rows: the cache may hold more
@@ -46,17 +47,31 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     key_words, value_words = latent_k.view(torch.int32), latent_v.view(torch.int32)
     exact_k = k_exact if sinks else queries
     exact_v = v_exact if sinks else queries
+    mask, mask_sb, mask_ss = _mask_strides(attn_mask, rows, queries)
     gluon_far.far_kernel[(rows * kv_heads, splits)](
-        key_words, k_scale, k_zero, value_words, v_scale, v_zero, exact_k, exact_v, queries, far_hi, part_max,
+        key_words, k_scale, k_zero, value_words, v_scale, v_zero, exact_k, exact_v, queries, far_hi, mask, part_max,
         part_sum, part_acc, key_words.stride(0), 4, k_scale.stride(0), 2, value_words.stride(0), 12,
         v_scale.stride(0), 4, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0),
-        exact_v.stride(1) if sinks else 0, splits, row_splits, kw_ss=key_words.stride(1), ks_ss=k_scale.stride(1),
-        vw_ss=value_words.stride(1), vs_ss=v_scale.stride(1), KV_HEADS=kv_heads, GROUP_HEADS=group, SINKS=sinks,
-        num_warps=1, maxnreg=MAX_REGISTERS)
+        exact_v.stride(1) if sinks else 0, mask_sb, splits, row_splits, kw_ss=key_words.stride(1),
+        ks_ss=k_scale.stride(1), vw_ss=value_words.stride(1), vs_ss=v_scale.stride(1), mask_ss=mask_ss,
+        KV_HEADS=kv_heads, GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, num_warps=1,
+        maxnreg=MAX_REGISTERS)
+
+
+def _mask_strides(attn_mask, rows, placeholder):
+    """A boolean mask [rows or 1, 1, 1, slots] as the far loop reads it: the tensor, its batch stride (0 where one
+    mask serves every row) and its slot stride; a placeholder and zeros without one."""
+    if attn_mask is None:
+        return placeholder, 0, 0
+    if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1:3] != (1, 1) \
+            or attn_mask.shape[0] not in (1, rows):
+        raise NotImplementedError(f"far loop: a boolean mask [{rows} or 1, 1, 1, slots] only, not {attn_mask.dtype} "
+                                  f"{tuple(attn_mask.shape)}")
+    return attn_mask, attn_mask.stride(0) if attn_mask.shape[0] == rows else 0, attn_mask.stride(3)
 
 
 def reference_far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, queries, far_hi,
-                          sinks, splits, row_splits, part_max, part_sum, part_acc, kv_heads, group):
+                          sinks, splits, row_splits, part_max, part_sum, part_acc, kv_heads, group, attn_mask=None):
     """`far_splits` in torch, from the dequantized cache (its oracle, and its stand-in on a CPU, where Gluon kernels
     do not run: the decode launcher's far-loop path is tested there with it). Reads far_hi on the host."""
     from .quantize import dequantize
@@ -78,8 +93,10 @@ def reference_far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                 rows = ((b * kv_heads + h) * row_splits + split) * group + torch.arange(group)
                 lo, hi = split * per_split, min(split * per_split + per_split, end)
                 scores = latent[b * kv_heads + h] @ keys[lo:hi, h].T  # [group, slots]
+                if attn_mask is not None:
+                    scores[:, ~attn_mask[b % attn_mask.shape[0], 0, 0, lo:hi]] = -math.inf
                 top = scores.amax(-1) if hi > lo else torch.full((group,), -math.inf, device=scores.device)
-                weights = torch.exp2(scores - top[:, None])
+                weights = torch.exp2(scores - top.nan_to_num(neginf=0.0)[:, None])
                 flat_max[rows] = top
                 flat_sum[rows] = weights.sum(-1)
                 acc[rows] = weights @ values[lo:hi, h]

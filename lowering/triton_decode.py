@@ -85,7 +85,7 @@ FALLBACK = DecodeConfig(block_s=16, num_warps=4, num_stages=1)
 # exact RoPE read right. 16-bit latents read right with 8 warps. Refused, not launched
 MAX_WARPS_WITH_CODES = 4
 WAVE_FILL = 0.9  # the least share of the last wave of programs the split of the slots accepts
-MAX_SPLITS = 64  # the most splits of a row's slots per kernel (the combine reads them one after another)
+MAX_SPLITS = 64  # the most splits of a row's slots per kernel
 # the far loop's path (DecodeConfig.far_loop) from caches of this many slots: it has costs of its own (its queries and
 # the end of its slots, 7 us; the window's slots apart, 30 us) that a short cache does not repay (budget 0.2 w1024,
 # Llama-3-8B shape, batch 16, H100: 4K 0.0841 -> 0.0927 ms, 16K 0.2416 -> 0.1567). The capacity, not the length:
@@ -181,6 +181,19 @@ def _splits(base: int, slots: int, capacity: int, block_s: int) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def combine_geometry(splits: int, group: int, v_range: int, head_dim: int, elements: int = 4096, d_block: int = 32,
+                     num_warps: int = 1) -> dict:
+    """combine_project_kernel's tiles and warps: every split's partials of CHUNK channels at once and their product
+    with D_BLOCK output channels of B_v, each tile at most `elements` float32. One warp: its sums over the splits and
+    channels stay within the warp (no shared memory, no barrier). Timed on an H100 (whole decode steps, Llama-3-8B
+    shape, 16K, batch 16, over 4096 x 32 x 1 warp against tiles of 1024-8192, blocks of 16-128 channels, 1-8 warps):
+    budget 0.2 w1024 137.6 us against 140-224, keep 0.25 w1024 105.2 against 105.1-126; the loop over the splits
+    before it took 152 and 106."""
+    g_pow2, splits_pad, d_block = _pow2(group), _pow2(splits), min(head_dim, d_block)
+    chunk = max(1, min(_pow2(v_range), elements // (splits_pad * g_pow2), elements // (g_pow2 * d_block)))
+    return dict(G_POW2=g_pow2, SPLITS_PAD=splits_pad, CHUNK=chunk, D_BLOCK=d_block, num_warps=num_warps)
 
 
 def channel_chunk(block_rank: int) -> int:
@@ -386,9 +399,12 @@ def far_loop_able(*, config, interpret, windowed, query, attn_mask, bias_k, num_
     """Whether the Gluon far loop (`lowering/gluon_far.py`) can take this step's far slots: windowed RoPE over the
     budget plan's latents (per KV head 4-bit keys of rank 64 and 3-bit values of rank 128, groups of 32 per token, no
     outliers, the same sinks on both sides, 16 at most: its first 16-slot group), float16, head-wise factors, no mask
-    or key bias, 64-slot tiles (the far loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80."""
+    or the boolean mask [rows or 1, 1, 1, slots] transformers builds for SDPA, no key bias, 64-slot tiles (the far
+    loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80."""
     return (not interpret and windowed and _gluon() and _mma_sync(query.device) and query.dtype == torch.float16
-            and attn_mask is None
+            and (attn_mask is None or (attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+                                       and attn_mask.shape[1:3] == (1, 1)
+                                       and attn_mask.shape[0] in (1, query.shape[0])))
             and config.block_s == gluon_far.BLOCK and num_kv_heads <= 64
             and bias_k is None and up_v is not None and group <= 8 and k_blocks == num_kv_heads
             and v_blocks == num_kv_heads and keys["BLOCK_RANK"] == gluon_far.RANK_K
@@ -490,7 +506,8 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                                                                       start=start),
                                             constants, config, device, bf16_codes, interpret)
     launch, resident = _GEOMETRY[geometry_key]
-    if far_splits:  # this kernel's splits over the window's slots only: as many as one wave holds
+    if far_splits:  # this kernel's splits over the window's slots only: as many as one wave holds (each further wave
+        # added 6-8 us: budget 0.2 w1024, Llama-3-8B shape, 16K, batch 16, H100)
         splits = min(MAX_SPLITS, max(1, resident * _multiprocessors(device) // base))
     else:
         splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
@@ -510,7 +527,7 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
             latent_k=latent_k, k_scale=k_scale, k_zero=k_zero, k_exact=k_exact, latent_v=latent_v, v_scale=v_scale,
             v_zero=v_zero, v_exact=v_exact, queries=queries,
             far_hi=start, sinks=k["sinks"], splits=far_splits, row_splits=far_splits + splits, part_max=part_max,
-            part_sum=part_sum, part_acc=part_acc, kv_heads=num_kv_heads, group=group)
+            part_sum=part_sum, part_acc=part_acc, kv_heads=num_kv_heads, group=group, attn_mask=attn_mask)
     launch_kernel(kernel, (batch * num_kv_heads, splits, v_parts),
                   arguments(splits, part_acc, part_max, part_sum, launch["BLOCK_S"], start), {**constants, **launch})
     splits += far_splits
@@ -524,12 +541,12 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     # the splits' contexts combined and taken through B_v in one launch (a combine, a float32 product and a cast
     # before: 8-15 us a layer in the attention benchmark's profile)
     out = torch.empty(batch, heads, 1, head_dim, dtype=query.dtype, device=device)
-    launch_kernel(latent_decode.combine_project_kernel, (batch * num_kv_heads,),
+    combine = combine_geometry(splits, group, v_range, head_dim)
+    launch_kernel(latent_decode.combine_project_kernel, (batch * num_kv_heads, head_dim // combine["D_BLOCK"]),
                   (part_acc, part_max, part_sum, _per_head(up_v, num_kv_heads, v_blocks),
                    bias_v.contiguous() if bias_v is not None else part_acc, out, splits),
-                  dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=max(16, _pow2(group)), RANGE=v_range,
-                       CHUNK=max(16, min(_pow2(v_range), 8192 // head_dim)), HEAD_DIM=head_dim,
-                       HAS_BIAS=bias_v is not None, PRECISION="ieee" if interpret else "tf32x3"))
+                  dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, RANGE=v_range, HEAD_DIM=head_dim,
+                       HAS_BIAS=bias_v is not None, **combine))
     return out
 
 
@@ -568,13 +585,15 @@ def project_values(context, up_v, bias_v, blocks, tokens, dtype):
 
 def prepare(up_k: torch.Tensor, up_v: Optional[torch.Tensor], num_kv_heads: int, rope_window: int = 0) -> None:
     """Build now what the launcher keeps per factor tensor (its diagonal blocks, B_v's rows per head, and B_k's
-    where windowed RoPE reads them): called when
-    a graph is compiled, so these tensors are not allocated inside a CUDA graph's memory pool (mode
+    where windowed RoPE reads them) and, for windowed RoPE on a GPU, the far loop's rank order (`gluon_far.key_order`):
+    called when a graph is compiled, so these tensors are not allocated inside a CUDA graph's memory pool (mode
     "reduce-overhead"), where a tensor that outlives the step is an error, and reading the blocks (which
     synchronizes) never happens in a step."""
     k_blocks = diagonal_blocks(up_k, num_kv_heads)
     if rope_window:
         _per_head(up_k, num_kv_heads, k_blocks)
+        if up_k.is_cuda:
+            gluon_far.key_order(up_k.device)
     if up_v is not None:
         _per_head(up_v, num_kv_heads, diagonal_blocks(up_v, num_kv_heads))
 

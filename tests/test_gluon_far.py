@@ -25,6 +25,7 @@ def test_channel_orders_are_permutations():
 
 _COMPILE = """
 import json
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -34,10 +35,12 @@ from lrkv_compile.lowering.gluon_far import MAX_REGISTERS
 signature = {name: "*i32" if name in ("kw_ptr", "vw_ptr", "far_hi_ptr") else "*fp16"
              for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "kx_ptr", "vx_ptr", "q_ptr",
                           "far_hi_ptr")}
+signature["mask_ptr"] = "*i1"
 signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
 signature.update({name: "i32" for name in ("kw_sb", "kw_sh2", "ks_sb", "ks_sh", "vw_sb", "vw_sh", "vs_sb", "vs_sh",
-                                           "kx_sb", "kx_ss", "vx_sb", "vx_ss", "splits", "row_splits")})
-constants = dict(kw_ss=64, ks_ss=16, vw_ss=96, vs_ss=32, KV_HEADS=8, GROUP_HEADS=4, SINKS=4)
+                                           "kx_sb", "kx_ss", "vx_sb", "vx_ss", "mask_sb", "splits", "row_splits")})
+constants = dict(kw_ss=64, ks_ss=16, vw_ss=96, vs_ss=32, mask_ss=1, KV_HEADS=8, GROUP_HEADS=4, SINKS=4,
+                 HAS_MASK=sys.argv[1] == "mask")
 signature.update({name: "constexpr" for name in constants})
 names = list(signature)
 source = GluonASTSource(gluon_far.far_kernel, signature,
@@ -49,13 +52,16 @@ print(json.dumps(dict(shared=compiled.metadata.shared, barriers=ptx.count("bar.s
 """
 
 
-def test_compiles_for_hopper_without_shared_memory():
+@pytest.mark.parametrize("mask", ["mask", "no mask"])
+def test_compiles_for_hopper_without_shared_memory(mask):
     """The layouts' conversions are asserted trivial at compile time, so a compile is the check that the codes
-    land in the products' operands without data movement; the loop keeps no shared memory and no barrier.
-    Compiled for sm_90 in a process of its own: under Triton's interpreter (the tests' CPU setting) Gluon's
-    builtins are interpreted functions, which its compiler refuses."""
+    land in the products' operands without data movement; the loop keeps no shared memory and no barrier, with the
+    boolean mask of a model's decode step or without one. Compiled for sm_90 in a process of its own: under
+    Triton's interpreter (the tests' CPU setting) Gluon's builtins are interpreted functions, which its compiler
+    refuses."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILE, mask], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     # per 64 slots 4 x (4 + 8) products, and the sinks' tile's 4 + 8

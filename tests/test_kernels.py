@@ -493,16 +493,19 @@ def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads,
     check(kwargs)
 
 
-@pytest.mark.parametrize("near_slot, rope_window, far_ends", [(None, 100, [576, 576]), (200, 100, [192, 576]),
-                                                             (None, 4, [640, 640])])
-def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_window, far_ends, monkeypatch):
-    """Windowed RoPE over the budget plan's layout in float16 without a mask: the slots before the window go through
-    the Gluon far loop (`gluon_far.far_splits`; on CPU its torch stand-in, where Gluon kernels do not run), the rest
-    through the decode kernel from the slot far_prep_kernel finds, both into one combine. 700 slots, positions from
-    3000: with a window of 100 slots 0-599 are far, 576 of them in whole tiles; a slot moved to this step's position
-    (near_slot) ends its row's far slots at the tile before it; with a window of 4 the far slots end before the 8
-    exact copies of the last slots (at 640). The codes of the slots with exact copies (4 sinks, the last 8) are junk:
-    the reference reads the copies, and so must both kernels."""
+@pytest.mark.parametrize("near_slot, rope_window, pads, far_ends", [
+    (None, 100, None, [576, 576]), (200, 100, None, [192, 576]), (None, 4, None, [640, 640]),
+    (None, 100, [130, 0], [576, 576]), (None, 100, [520, 3], [576, 576])])
+def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_window, pads, far_ends, monkeypatch):
+    """Windowed RoPE over the budget plan's layout in float16: the slots before the window go through the Gluon far
+    loop (`gluon_far.far_splits`; on CPU its torch stand-in, where Gluon kernels do not run), the rest through the
+    decode kernel from the slot far_prep_kernel finds, both into one combine. 700 slots, positions from 3000: with a
+    window of 100 slots 0-599 are far, 576 of them in whole tiles; a slot moved to this step's position (near_slot)
+    ends its row's far slots at the tile before it; with a window of 4 the far slots end before the 8 exact copies of
+    the last slots (at 640). The codes of the slots with exact copies (4 sinks, the last 8) are junk: the reference
+    reads the copies, and so must both kernels. pads: left padding under the boolean mask transformers builds for
+    SDPA, in the model's decode steps (a row of 520 pads leaves the far loop's splits of it nothing to attend: their
+    maxima stay -inf)."""
     from lrkv_compile.lowering import gluon_far
 
     taken = []
@@ -516,8 +519,9 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
     if not ON_GPU:
         monkeypatch.setattr(triton_decode, "far_loop_able", lambda **_: True)
     kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "kv_heads": 2, "k_blocks": 2,
-                           "v_blocks": 2, "k_block_rank": 64, "v_block_rank": 128, "length": 700, "mask": "none",
-                           "padding": False, "bias": False, "rope_window": rope_window, "start_position": 3000})
+                           "v_blocks": 2, "k_block_rank": 64, "v_block_rank": 128, "length": 700,
+                           "mask": "bool" if pads else "none", "padding": pads is not None, "pads": pads,
+                           "bias": False, "rope_window": rope_window, "start_position": 3000})
     if near_slot is not None:
         kwargs["positions"][0, near_slot] = kwargs["positions"][0, 699]
     generator = torch.Generator().manual_seed(1)
