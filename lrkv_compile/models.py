@@ -86,7 +86,7 @@ def _load_gguf(path: Path, dtype):
         return model.eval(), tokenizer  # the cache keeps float32 models only
     try:
         _keep(model, tokenizer, path, folder, replace=damaged)
-    except OSError as error:
+    except Exception as error:  # a model transformers will not save, a full disk: the load stands without the cache
         warnings.warn(f"lrkv: could not keep the converted model in {folder.parent} ({error}); set LRKV_CACHE to a "
                       f"writable folder to skip the conversion next time", stacklevel=3)
     return model.eval(), tokenizer
@@ -110,15 +110,21 @@ def _keep(model, tokenizer, path: Path, folder: Path, replace: bool) -> None:
     import tempfile
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".writing-"))
-    quantizer, quantization = model.hf_quantizer, model.config.quantization_config
+    quantizer, quantization = getattr(model, "hf_quantizer", None), getattr(model.config, "quantization_config", None)
     model.hf_quantizer = None
-    del model.config.quantization_config
+    if quantization is not None:
+        del model.config.quantization_config
     try:
         model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "complete").write_text(f"{path}\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
-        model.hf_quantizer, model.config.quantization_config = quantizer, quantization
-    tokenizer.save_pretrained(staging)
-    (staging / "complete").write_text(f"{path}\n")
+        model.hf_quantizer = quantizer
+        if quantization is not None:
+            model.config.quantization_config = quantization
     old = folder.parent / f".old-{staging.name}"
     if replace:
         try:
