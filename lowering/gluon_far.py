@@ -58,13 +58,19 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
         maxnreg=MAX_REGISTERS)
 
 
+def reads_mask(attn_mask, rows: int) -> bool:
+    """Whether the far loop reads this mask: none, or a boolean one [rows or 1, 1, 1, slots] (transformers' SDPA
+    mask in a decode step)."""
+    return attn_mask is None or (attn_mask.dtype == torch.bool and attn_mask.dim() == 4
+                                 and attn_mask.shape[1:3] == (1, 1) and attn_mask.shape[0] in (1, rows))
+
+
 def _mask_strides(attn_mask, rows, placeholder):
     """A boolean mask [rows or 1, 1, 1, slots] as the far loop reads it: the tensor, its batch stride (0 where one
     mask serves every row) and its slot stride; a placeholder and zeros without one."""
     if attn_mask is None:
         return placeholder, 0, 0
-    if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1:3] != (1, 1) \
-            or attn_mask.shape[0] not in (1, rows):
+    if not reads_mask(attn_mask, rows):
         raise NotImplementedError(f"far loop: a boolean mask [{rows} or 1, 1, 1, slots] only, not {attn_mask.dtype} "
                                   f"{tuple(attn_mask.shape)}")
     return attn_mask, attn_mask.stride(0) if attn_mask.shape[0] == rows else 0, attn_mask.stride(3)

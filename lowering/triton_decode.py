@@ -402,9 +402,7 @@ def far_loop_able(*, config, interpret, windowed, query, attn_mask, bias_k, num_
     or the boolean mask [rows or 1, 1, 1, slots] transformers builds for SDPA, no key bias, 64-slot tiles (the far
     loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80."""
     return (not interpret and windowed and _gluon() and _mma_sync(query.device) and query.dtype == torch.float16
-            and (attn_mask is None or (attn_mask.dtype == torch.bool and attn_mask.dim() == 4
-                                       and attn_mask.shape[1:3] == (1, 1)
-                                       and attn_mask.shape[0] in (1, query.shape[0])))
+            and gluon_far.reads_mask(attn_mask, query.shape[0])
             and config.block_s == gluon_far.BLOCK and num_kv_heads <= 64
             and bias_k is None and up_v is not None and group <= 8 and k_blocks == num_kv_heads
             and v_blocks == num_kv_heads and keys["BLOCK_RANK"] == gluon_far.RANK_K
