@@ -10,8 +10,17 @@ BLOCK = 64  # slots per iteration of a program
 # 128 registers a thread: 16 one-warp programs a multiprocessor, no spill (uncapped it takes 134 and ran 15-20% slower
 # on an H100); 16 splits fill the H100 at batch 16 and 8 KV heads (docs/gpu-notes.md)
 MAX_REGISTERS = 128
-RESIDENT = 16  # one-warp programs a multiprocessor at MAX_REGISTERS: the far loop's splits fill one wave of them
+RESIDENT = 16  # one-warp programs a multiprocessor at MAX_REGISTERS
 RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit keys, 3-bit values, per-token groups)
+
+
+def wave(group: int) -> int:
+    """Programs a multiprocessor the far loop's splits aim at for `group` query heads a KV head: every resident
+    one, but three in four where each KV head serves one query head. Budget 0.2 w1024 on an H100, the far loop's time
+    at 16 and at 12 programs a multiprocessor: Llama-2-7B (MHA) 545 -> 416 us at 16K and batch 16, 238 -> 210 at
+    batch 8, 576 -> 467 at 64K and batch 4; Llama-3-8B (4 query heads a KV head) 97.0 -> 103.6 at 16K and batch 16
+    (docs/gpu-notes.md)."""
+    return RESIDENT if group > 1 else RESIDENT * 3 // 4
 
 
 @functools.cache

@@ -179,6 +179,17 @@ def _splits(base: int, slots: int, capacity: int, block_s: int) -> int:
     return most
 
 
+def far_and_near_splits(far: int, wave: int, near: int, block_s: int) -> tuple:
+    """(far loop's splits, decode kernel's splits) where the far loop takes the far slots in `far` splits (one wave
+    of its programs) and the decode kernel the `near` slots after them plus a tile: the kernel's splits as many as one
+    wave of its programs holds (`wave`; each further wave added 6-8 us: budget 0.2 w1024, Llama-3-8B shape, 16K,
+    batch 16, H100) with two tiles each or more, and both together at most MAX_SPLITS, as the combine loads them all at
+    once, padded to a power of two: over 64 it took three times as long (Llama-3-8B shape, 64K, batch 4, H100: 64 far
+    splits and 8 near, 170.4 us a step, the combine 35.9 of it; 56 and 8, 151.5 and 11.8)."""
+    splits = min(MAX_SPLITS - 1, max(1, min(wave, (triton.cdiv(near, block_s) + 1) // 2)))
+    return max(1, min(far, MAX_SPLITS - splits)), splits
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -446,11 +457,11 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     kernel = latent_decode.latent_decode_kernel
     if config is None:
         config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
-    # the far slots through the Gluon far loop, in its splits (one wave of its programs), before this kernel's; start:
-    # far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
+    # the far slots through the Gluon far loop, in its splits (one wave of its programs, gluon_far.wave), before this
+    # kernel's; start: far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
     far_splits, start = 0, None
     if config.far_loop and capacity >= FAR_LOOP_FROM and far_loop_able(**locals()):
-        far_splits = min(MAX_SPLITS, max(1, round(gluon_far.RESIDENT * _multiprocessors(device)
+        far_splits = min(MAX_SPLITS, max(1, round(gluon_far.wave(group) * _multiprocessors(device)
                                                   / (batch * num_kv_heads))))
         start = torch.empty(batch * num_kv_heads, dtype=torch.int32, device=device)
     far, far_bias = query, query
@@ -504,9 +515,10 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                                                                       start=start),
                                             constants, config, device, bf16_codes, interpret)
     launch, resident = _GEOMETRY[geometry_key]
-    if far_splits:  # this kernel's splits over the window's slots only: as many as one wave holds (each further wave
-        # added 6-8 us: budget 0.2 w1024, Llama-3-8B shape, 16K, batch 16, H100)
-        splits = min(MAX_SPLITS, max(1, resident * _multiprocessors(device) // base))
+    if far_splits:
+        near = max(k["window"], v["window"], int(rope_window))  # the slots this kernel takes, but for the last tile
+        far_splits, splits = far_and_near_splits(far_splits, resident * _multiprocessors(device) // base, near,
+                                                 launch["BLOCK_S"])
     else:
         splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
     rows = batch * num_kv_heads * (far_splits + splits) * group

@@ -119,3 +119,17 @@ def test_the_launch_covers_the_rows_of_the_step_not_of_the_cache(monkeypatch):
                row_splits=splits, part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
                kv_heads=kv_heads, group=4)
     assert launched == [(step_rows * kv_heads, splits)]
+
+
+@pytest.mark.parametrize("far, wave, near, splits", [
+    (16, 2, 1024, (16, 2)),    # Llama-3-8B shape, 16K, batch 16: one wave of each kernel's programs
+    (64, 8, 1024, (56, 8)),    # 64K, batch 4: 72 splits would pad the combine's to 128
+    (64, 33, 1024, (56, 8)),   # batch 1: the near slots (17 tiles) in splits of two tiles or more
+    (3, 1, 1024, (3, 1)),      # Llama-2-7B shape, batch 16: fewer programs than a wave of either
+    (64, 70, 0, (63, 1)),      # no exact window and no RoPE window: the last tile alone
+])
+def test_far_and_near_splits_fill_a_wave_and_stay_under_the_combines_cap(far, wave, near, splits):
+    from lrkv_compile.lowering.triton_decode import MAX_SPLITS, far_and_near_splits
+    got = far_and_near_splits(far, wave, near, 64)
+    assert got == splits
+    assert sum(got) <= MAX_SPLITS and min(got) >= 1
