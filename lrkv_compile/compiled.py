@@ -45,10 +45,15 @@ class CompiledModel:
         ids = kwargs.get("input_ids")
         if ids is not None and ids.dim() == 2 and ids.shape[1] > 1:
             # Prompts of any length share one prefill graph from the first call on (Dynamo would compile the
-            # first length alone, then recompile for the rest; one-token decode steps keep their own graph).
-            # A slice such as ids[:, :n] has the strides of the whole row, which Dynamo guards on: it is copied.
-            kwargs["input_ids"] = ids = ids.clone(memory_format=torch.contiguous_format)
-            torch._dynamo.maybe_mark_dynamic(ids, 1)
+            # first length alone, then recompile for the rest; one-token decode steps keep their own graph): the
+            # ids and what generate() passes beside them along the prompt (its attention mask, positions, cache
+            # positions), whose sizes would otherwise pin the ids' length. A slice such as ids[:, :n] has the strides
+            # of the whole row, which Dynamo guards on: each is copied.
+            for name in ("input_ids", "attention_mask", "position_ids", "cache_position"):
+                tensor = kwargs.get(name)
+                if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[-1] > 1:
+                    kwargs[name] = tensor = tensor.clone(memory_format=torch.contiguous_format)
+                    torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1)
         try:
             out = self._compiled(*args, **kwargs)
         except BackendCompilerFailed as error:
