@@ -46,9 +46,10 @@ def cmd_eval(args):
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
-    from .evaluate import cached_perplexity, passkey_prompts, passkeys_retrieved, quantized_cache_fraction
+    from .compiled import CACHE_ROUNDING
+    from .evaluate import (ANSWER_TOKENS, cached_perplexity, passkey_prompts, passkeys_retrieved,
+                           quantized_cache_fraction)
     from .models import load_model
-    from .trace import cache_keyword
     model, tokenizer = load_model(args.model)
     calibration, evaluation, evaluation_ids = _data(tokenizer, args.calib_rows, args.eval_rows, args.length, args.text)
     prefix = args.length - args.score
@@ -59,29 +60,31 @@ def cmd_eval(args):
             raise SystemExit(f"lrkv eval: --passkey-context {longest} is longer than the model's context "
                              f"({model.config.max_position_embeddings} tokens)")
         prompts = passkey_prompts(tokenizer, evaluation_ids, args.passkeys, args.passkey_context)
+    # one capacity for every latent cache of a plan, the perplexity rows' and the passkey prompts' with their answers:
+    # a compiled model guards on its cache's sizes, and each capacity would compile graphs of its own
+    longest = max(args.length, max(args.passkey_context) + ANSWER_TOKENS if passkeys else 0)
+    capacity = -(-longest // CACHE_ROUNDING) * CACHE_ROUNDING
     rows = []
 
-    def score(name, kind, forward, make_cache, fraction, generate):
+    def score(name, kind, forward, make_cache, fraction):
         row = {"cache": name, "kind": kind, "bytes": fraction}
         if perplexities:
             row["full_sequence_perplexity"] = cached_perplexity(forward, evaluation, 0, make_cache,
                                                                 desc=f"{name}: full sequence")
             row["perplexity"] = cached_perplexity(forward, evaluation, prefix, make_cache, desc=f"{name}: continuation")
         if passkeys:
-            hits = passkeys_retrieved(generate, tokenizer, prompts, desc=f"{name}: passkey")
+            hits = passkeys_retrieved(forward, make_cache, tokenizer, prompts, desc=f"{name}: passkey")
             row["passkeys"] = sum(hits)
             row["passkey_hits"] = [{"context": context, "depth": depth, "found": hit}
                                    for (_, _, context, depth), hit in zip(prompts, hits)]
         rows.append(row)
 
-    score("full cache", "full", model, lambda length: DynamicCache(config=model.config), 1.0, model.generate)
+    score("full cache", "full", model, lambda length: DynamicCache(config=model.config), 1.0)
     for nbits in args.quanto_bits:
         def quantized(length=None, nbits=nbits):
             return QuantizedCache(backend="quanto", config=model.config, nbits=nbits, q_group_size=args.quanto_group)
         score(f"QuantizedCache int{nbits} (quanto, group {args.quanto_group})", "QuantizedCache", model,
-              quantized, quantized_cache_fraction(nbits, args.quanto_group),
-              lambda ids, quantized=quantized, **options: model.generate(ids, **{cache_keyword(model): quantized()},
-                                                                         **options))
+              quantized, quantized_cache_fraction(nbits, args.quanto_group))
     stats = collect_stats(model, calibration, fisher=bool(args.budgets)) if args.plans or args.budgets else None
     # budgets are counted at the evaluated length: the exact sinks and window are amortised over what is scored
     plan_options = dict(context=args.length, sinks=args.sinks, window=args.window, rope_window=args.rope_window,
@@ -103,8 +106,8 @@ def cmd_eval(args):
             plan.save(path)
         lm = lrkv.compile(model, plan)
         held = lrkv.LatentCache(model, plan, max_cache_len=args.length)  # what this model's cache holds
-        score(name, "lrkv", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=length),
-              held.nbytes() / held.full_cache_nbytes(torch.float16), lm.generate)
+        score(name, "lrkv", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=capacity),
+              held.nbytes() / held.full_cache_nbytes(torch.float16))
     model_name = args.model or "SmolLM2-135M"
     text_name = "your text" if args.text else "Python docs prose"
     title = f"{model_name} on {text_name} (calibration on other text than the evaluation)"

@@ -91,11 +91,31 @@ def passkey_prompts(tokenizer, haystack, count: int, contexts, seed: int = 0) ->
     return prompts
 
 
+ANSWER_TOKENS = 8  # tokens decoded after a passkey prompt
+
+
 @torch.no_grad()
-def passkeys_retrieved(generate, tokenizer, prompts, progress=True, desc="passkey") -> list:
-    """Per prompt, whether `generate(ids, max_new_tokens=...)` (greedy) answers its key."""
+def greedy(forward, ids, cache, tokens: int) -> torch.Tensor:
+    """`tokens` greedy tokens after `ids` [1, length] from `forward` (a model, or its `lrkv.compile`) through `cache`:
+    the prompt in one forward, then a token a forward, each call as `cached_perplexity` makes them (the ids, the cache,
+    use_cache), so a compiled model runs the same two graphs for both (generate() passes more arguments, each set
+    compiling graphs of its own: about 30 s each on a CPU for SmolLM2)."""
+    keyword = cache_keyword(forward.model if isinstance(forward, CompiledModel) else forward)
+    out = []
+    logits = forward(input_ids=ids, **{keyword: cache}, use_cache=True).logits
+    for _ in range(tokens):
+        out.append(logits[:, -1:].argmax(-1))
+        if len(out) < tokens:
+            logits = forward(input_ids=out[-1], **{keyword: cache}, use_cache=True).logits
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def passkeys_retrieved(forward, make_cache, tokenizer, prompts, progress=True, desc="passkey") -> list:
+    """Per prompt, whether `forward`'s greedy answer (ANSWER_TOKENS tokens through `make_cache(prompt + answer
+    length)`) holds its key."""
     found = []
     for ids, key, *_ in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
-        out = generate(ids, max_new_tokens=8, do_sample=False)
-        found.append(key in tokenizer.decode(out[0, ids.shape[1]:]))
+        answer = greedy(forward, ids, make_cache(ids.shape[1] + ANSWER_TOKENS), ANSWER_TOKENS)
+        found.append(key in tokenizer.decode(answer[0]))
     return found

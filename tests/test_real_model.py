@@ -104,9 +104,8 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
           "--quanto-bits", "4", "--calib-rows", "2", "--eval-rows", "2", "--length", "64", "--score", "16",
           "--passkeys", "2", "--passkey-context", "96", "128", "--json", str(tmp_path / "eval.json"),
           "--scheme", "head", "--save-plans", str(tmp_path / "plans")])
-    # the plan's graphs: the perplexity rows' forward, generate()'s prefill (passkey prompts of 96 and 128 tokens:
-    # one graph for both lengths) and its decode step
-    assert len(backend.reports) - graphs == 3
+    # the plan's graphs: a prefill (the perplexity rows, the passkey prompts of 96 and 128 tokens) and a decode step
+    assert len(backend.reports) - graphs == 2
     saved = lrkv.RankPlan.load(tmp_path / "plans" / "lrkv-budget-0.3-head.safetensors")
     assert {(site.k_scheme, site.v_scheme) for site in saved.sites} == {("head", "head")}
     rows = json.loads((tmp_path / "eval.json").read_text())
