@@ -118,3 +118,13 @@ def test_cli_calibrates_a_users_model_folder_on_their_text_and_inspects_the_plan
     with pytest.raises(ValueError, match="evaluation text has"):
         main(["eval", "--model", str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"), "--eval-rows", "200",
               "--calib-rows", "2", "--length", "64", "--task", "perplexity", "--budgets", "0.3"])
+
+
+def test_the_passkey_answers_greedy_decoding_gives_the_tokens_of_generate(smollm2):
+    """`lrkv eval` decodes the passkey answers with its own loop (`evaluate.greedy`, the perplexity rows' calls):
+    the tokens transformers' generate() gives."""
+    from transformers import DynamicCache
+    from lrkv_compile.evaluate import greedy
+    model, _, ids = smollm2
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)[:, ids.shape[1]:]
+    assert greedy(model, ids, DynamicCache(config=model.config), 8).tolist() == expected.tolist()
