@@ -46,7 +46,7 @@ def cmd_eval(args):
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
-    from .compiled import CACHE_ROUNDING
+    from .compiled import CACHE_ROUNDING, CompiledModel
     from .evaluate import (ANSWER_TOKENS, cached_perplexity, passkey_prompts, passkeys_retrieved,
                            quantized_cache_fraction)
     from .models import load_model
@@ -104,7 +104,10 @@ def cmd_eval(args):
             path = f"{args.save_plans}/{name.split(' (')[0].replace(' ', '-')}.safetensors"
             _folder_of(path)
             plan.save(path)
-        lm = lrkv.compile(model, plan)
+        # CompiledModel, not lrkv.compile: the plan was calibrated on this model just now, so lrkv.compile's pre-flight
+        # trace (about 20 s on a CPU for SmolLM2) would tell nothing that the backend's own check of the sites, when
+        # it compiles, does not
+        lm = CompiledModel(model, plan)
         held = lrkv.LatentCache(model, plan, max_cache_len=args.length)  # what this model's cache holds
         score(name, "lrkv", lm, lambda length, plan=plan: lrkv.LatentCache(model, plan, max_cache_len=capacity),
               held.nbytes() / held.full_cache_nbytes(torch.float16))
