@@ -46,7 +46,7 @@ def cmd_eval(args):
     from rich.table import Table
     from transformers import DynamicCache, QuantizedCache
     from .calibrate import collect_stats
-    from .compiled import CACHE_ROUNDING, CompiledModel
+    from .compiled import CompiledModel, cache_capacity
     from .evaluate import (ANSWER_TOKENS, cached_perplexity, passkey_prompts, passkeys_retrieved,
                            quantized_cache_fraction)
     from .models import load_model
@@ -62,8 +62,7 @@ def cmd_eval(args):
         prompts = passkey_prompts(tokenizer, evaluation_ids, args.passkeys, args.passkey_context)
     # one capacity for every latent cache of a plan, the perplexity rows' and the passkey prompts' with their answers:
     # a compiled model guards on its cache's sizes, and each capacity would compile graphs of its own
-    longest = max(args.length, max(args.passkey_context) + ANSWER_TOKENS if passkeys else 0)
-    capacity = -(-longest // CACHE_ROUNDING) * CACHE_ROUNDING
+    capacity = cache_capacity(max(args.length, longest + ANSWER_TOKENS if passkeys else 0))
     rows = []
 
     def score(name, kind, forward, make_cache, fraction):

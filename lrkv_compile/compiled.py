@@ -20,6 +20,11 @@ from .trace import cache_keyword, private_forward
 CACHE_ROUNDING = 256  # cache capacities are rounded up to this, so varied lengths reuse compiled graphs
 
 
+def cache_capacity(tokens: int) -> int:
+    """Slots of a cache for `tokens` tokens: rounded up to a multiple of CACHE_ROUNDING."""
+    return -(-tokens // CACHE_ROUNDING) * CACHE_ROUNDING
+
+
 class CompiledModel:
     """`model` with its forward compiled by the lrkv backend under `plan`.
 
@@ -91,7 +96,7 @@ class CompiledModel:
                 raise ValueError("pass max_new_tokens= (or a LatentCache as past_key_values): the cache is sized "
                                  "for the prompt plus the new tokens")
             rows = input_ids.shape[0] * (setting("num_beams") or 1) * (setting("num_return_sequences") or 1)
-            capacity = -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING
+            capacity = cache_capacity(needed)
             past_key_values = self.cache = LatentCache(self.model, self.plan, max_batch_size=rows,
                                                        max_cache_len=capacity)
         had_forward = "forward" in self.model.__dict__

@@ -27,6 +27,11 @@ def compiled_forward(model, plan):
     return torch.compile(private_forward(model), backend="lrkv", fullgraph=True, options={"plan": plan})
 
 
+def _keyword(forward) -> str:
+    """The cache keyword of `forward`: a model, or its `lrkv.compile`."""
+    return cache_keyword(forward.model if isinstance(forward, CompiledModel) else forward)
+
+
 @torch.no_grad()
 def cached_perplexity(forward, rows, prefix: int, make_cache, progress=True, desc="perplexity") -> float:
     """Perplexity of `forward` (a model, or its `lrkv.compile`) through a cache. prefix > 0, the continuation
@@ -36,7 +41,7 @@ def cached_perplexity(forward, rows, prefix: int, make_cache, progress=True, des
     step computed it, so a cache's storage does not show, only changes to the model such as low-rank keys).
     Returns exp(mean NLL) over the scored tokens."""
     total_nll, total_tokens = 0.0, 0
-    keyword = cache_keyword(forward.model if isinstance(forward, CompiledModel) else forward)
+    keyword = _keyword(forward)
     for row in tqdm(rows, desc=desc, disable=not progress, unit="row"):
         ids = row[None] if row.dim() == 1 else row
         if not 0 <= prefix < ids.shape[1] - 1:
@@ -100,7 +105,7 @@ def greedy(forward, ids, cache, tokens: int) -> torch.Tensor:
     the prompt in one forward, then a token a forward, each call as `cached_perplexity` makes them (the ids, the cache,
     use_cache), so a compiled model runs the same two graphs for both (generate() passes more arguments, each set
     compiling graphs of its own: about 30 s each on a CPU for SmolLM2)."""
-    keyword = cache_keyword(forward.model if isinstance(forward, CompiledModel) else forward)
+    keyword = _keyword(forward)
     out = []
     logits = forward(input_ids=ids, **{keyword: cache}, use_cache=True).logits
     for _ in range(tokens):
