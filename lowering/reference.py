@@ -92,7 +92,8 @@ def _check_room(length, tokens, capacity, batch, max_batch):
             raise CacheOverflowError(f"the context needs {int(length) + tokens} cache slots but this LatentCache "
                                      f"holds max_cache_len={capacity}; {fix}")
         return
-    torch._assert_async(length + tokens <= capacity, f"lrkv CacheOverflowError: the context needs more cache slots "
+    # against capacity - tokens, a number: one comparison kernel before the assertion's own, not an addition too
+    torch._assert_async(length <= capacity - tokens, f"lrkv CacheOverflowError: the context needs more cache slots "
                                                      f"than this LatentCache holds (max_cache_len={capacity}); {fix}")
 
 

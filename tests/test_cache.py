@@ -1,5 +1,9 @@
 """LatentCache: memory accounting and its errors."""
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +57,31 @@ def test_context_longer_than_the_cache_raises():
     with pytest.raises(lrkv.CacheOverflowError, match="max_cache_len=8"), torch.no_grad():
         model.generate(torch.randint(0, VOCAB, (1, 6)), **{lrkv.cache_keyword(model): cache}, max_new_tokens=5,
                        do_sample=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the context check on the GPU is a device assertion; "
+                    "on CPU the same check raises CacheOverflowError (the test above)")
+def test_context_longer_than_the_cache_stops_the_gpu():
+    """On the GPU the write checks the context on the device (no host read of the length): a device assertion,
+    which leaves the CUDA context unusable, so the step runs in a process of its own."""
+    script = textwrap.dedent("""
+        import torch
+        import lrkv_compile as lrkv
+        from strategies import VOCAB, build_model
+        model = build_model(dict(SMALL)).cuda()
+        plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+        model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+        cache = lrkv.LatentCache(model, plan, max_cache_len=8)
+        with torch.no_grad():
+            model.generate(torch.randint(0, VOCAB, (1, 6), device="cuda"), **{lrkv.cache_keyword(model): cache},
+                           max_new_tokens=5, do_sample=False)
+        torch.cuda.synchronize()
+        print("no error")
+    """).replace("dict(SMALL)", repr(SMALL))  # the repr of a torch dtype is its name under torch
+    tests = Path(__file__).parent
+    result = subprocess.run([sys.executable, "-c", script], cwd=tests, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "no error" not in result.stdout, result.stdout[-2000:]
+    assert "device-side assert" in result.stderr or "CacheOverflowError" in result.stderr, result.stderr[-3000:]
 
 
 def test_cache_of_another_plan_is_rejected():
