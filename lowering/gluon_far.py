@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .launch import launch
+
 BLOCK = 64  # slots per iteration of a program
 # 128 registers a thread: 16 one-warp programs a multiprocessor, no spill (uncapped it takes 134 and ran 15-20% slower
 # on an H100); 16 splits fill the H100 at batch 16 and 8 KV heads (docs/gpu-notes.md)
@@ -57,14 +59,14 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     exact_k = k_exact if sinks else queries
     exact_v = v_exact if sinks else queries
     mask, mask_sb, mask_ss = _mask_strides(attn_mask, rows, queries)
-    gluon_far.far_kernel[(rows * kv_heads, splits)](
+    launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
         key_words, k_scale, k_zero, value_words, v_scale, v_zero, exact_k, exact_v, queries, far_hi, mask, part_max,
         part_sum, part_acc, key_words.stride(0), 4, k_scale.stride(0), 2, value_words.stride(0), 12,
         v_scale.stride(0), 4, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0),
-        exact_v.stride(1) if sinks else 0, mask_sb, splits, row_splits, kw_ss=key_words.stride(1),
-        ks_ss=k_scale.stride(1), vw_ss=value_words.stride(1), vs_ss=v_scale.stride(1), mask_ss=mask_ss,
-        KV_HEADS=kv_heads, GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, num_warps=1,
-        maxnreg=MAX_REGISTERS)
+        exact_v.stride(1) if sinks else 0, mask_sb, splits, row_splits),
+        dict(kw_ss=key_words.stride(1), ks_ss=k_scale.stride(1), vw_ss=value_words.stride(1),
+             vs_ss=v_scale.stride(1), mask_ss=mask_ss, KV_HEADS=kv_heads, GROUP_HEADS=group, SINKS=sinks,
+             HAS_MASK=attn_mask is not None, num_warps=1, maxnreg=MAX_REGISTERS))
 
 
 def reads_mask(attn_mask, rows: int) -> bool:

@@ -1,4 +1,4 @@
-"""Launching the decode path's Triton kernels with less Python per launch.
+"""Launching the decode path's Triton and Gluon kernels with less Python per launch.
 
 `kernel[grid](*args, **constants)` binds and specializes every argument on each call (~60 us for the decode
 kernel's 83 parameters on an H200 host, measured against ~18 us for the compiled kernel's own launch), and a decode

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon", reason="the Gluon far loop needs Triton's Gluon dialect")
 
 from lrkv_compile.kernels import gluon_far  # noqa: E402
+from lrkv_compile.lowering import gluon_far as lowering_far  # noqa: E402
 from lrkv_compile.lowering.gluon_far import combine, far_partials, far_splits  # noqa: E402
 from lrkv_compile.lowering.quantize import dequantize, quantize  # noqa: E402
 
@@ -105,11 +106,7 @@ def test_the_launch_covers_the_rows_of_the_step_not_of_the_cache(monkeypatch):
     """A cache may hold more batch rows than the step: the far loop's grid (and what it writes) follows the step's
     (far_hi and the queries), not the cache's first axis."""
     launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(grid)
-    monkeypatch.setattr(gluon_far, "far_kernel", Recorder())
+    monkeypatch.setattr(lowering_far, "launch", lambda kernel, grid, args, constants: launched.append(grid))
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = _cache(3, 128, 2, torch.Generator().manual_seed(0))
     step_rows, kv_heads, splits = 2, 2, 4
     part = torch.empty(step_rows * kv_heads * splits * 4)
