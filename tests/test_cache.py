@@ -64,20 +64,21 @@ def test_context_longer_than_the_cache_raises():
 def test_context_longer_than_the_cache_stops_the_gpu():
     """On the GPU the write checks the context on the device (no host read of the length): a device assertion,
     which leaves the CUDA context unusable, so the step runs in a process of its own."""
-    script = textwrap.dedent("""
+    # SMALL as its repr, which names its dtype as torch does
+    script = textwrap.dedent(f"""
         import torch
         import lrkv_compile as lrkv
         from strategies import VOCAB, build_model
-        model = build_model(dict(SMALL)).cuda()
+        model = build_model({SMALL!r}).cuda()
         plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
-        model.forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+        model.forward = torch.compile(model.forward, backend="lrkv", options={{"plan": plan}})
         cache = lrkv.LatentCache(model, plan, max_cache_len=8)
         with torch.no_grad():
-            model.generate(torch.randint(0, VOCAB, (1, 6), device="cuda"), **{lrkv.cache_keyword(model): cache},
+            model.generate(torch.randint(0, VOCAB, (1, 6), device="cuda"), **{{lrkv.cache_keyword(model): cache}},
                            max_new_tokens=5, do_sample=False)
         torch.cuda.synchronize()
         print("no error")
-    """).replace("dict(SMALL)", repr(SMALL))  # the repr of a torch dtype is its name under torch
+    """)
     tests = Path(__file__).parent
     result = subprocess.run([sys.executable, "-c", script], cwd=tests, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "no error" not in result.stdout, result.stdout[-2000:]
