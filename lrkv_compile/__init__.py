@@ -7,7 +7,7 @@
 from .errors import (CacheOverflowError, CorruptPlanError, KernelUnavailableError, LrkvError, LrkvWarning, PlanError,
                      PlanMismatchError, SharedLatentsWarning, UnrewrittenSiteError)
 from .plan import Layout, RankPlan, SitePlan
-from .calibrate import calibrate
+from .calibrate import calibrate, collect_stats
 from .cache import LatentCache
 from .backend import lrkv_backend
 from .fit import check
@@ -17,7 +17,7 @@ from .report import explain
 from .trace import cache_keyword
 from .transfer import transfer
 
-__all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
+__all__ = ["RankPlan", "SitePlan", "Layout", "calibrate", "collect_stats", "LatentCache", "lrkv_backend", "check", "compile", "CompiledModel",
            "cache_keyword", "low_rank_reference", "explain", "transfer", "LrkvError", "LrkvWarning", "PlanError", "CorruptPlanError",
            "PlanMismatchError", "CacheOverflowError", "UnrewrittenSiteError", "KernelUnavailableError",
            "SharedLatentsWarning"]

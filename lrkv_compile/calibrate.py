@@ -18,6 +18,7 @@ from lrkv_compile.passes.sites import find_sites
 from .allocate import (CANDIDATE_BITS, CANDIDATE_GROUPS, METHODS, OUTLIER_CHANNELS, candidate_ranks, score, search,
                        with_exact)
 from .errors import LrkvWarning, PlanError
+from . import stats_cache
 from .learned import learn_ranks
 from .plan import (DEFAULT_CONTEXT, POSITION_BYTES, Layout, RankPlan, SitePlan, check_context, check_keep,
                    check_rope_window, rank_for, weight_fingerprint)
@@ -139,18 +140,21 @@ def _logits(outputs, row, vocab_size):
     return found[0]
 
 
-def collect_stats(model, batches, progress=True, check_sites=None, fisher=False) -> CalibrationStats:
+def collect_stats(model, batches, progress=True, check_sites=None, fisher=False, cache=True) -> CalibrationStats:
     """Statistics of every site's K/V projections over the calibration rows, one row per step.
 
     fisher: also run the loss backward on each row (next-token cross-entropy), for the Fisher matrices
     and input samples that budget allocation (`lrkv_compile.allocate`) scores candidates with.
     check_sites(sites), if given, runs after the first trace and before any row is run.
+    cache: read them from, or keep them in, the statistics cache on disk (`lrkv_compile.stats_cache`): the same
+    model and text give the same statistics, so a second plan from them needs only the trace.
     """
     rows = [row[None] for batch in as_batches(batches) for row in batch]
     device = next(model.parameters()).device
     traces, stats, recorder = {}, None, None
     total = sum(row.shape[1] for row in rows)
     stride = max(1, total // SAMPLES)
+    kept = stats_cache.entry(model, rows, fisher, SAMPLES) if cache else None
     vocab_size = model.get_output_embeddings().weight.shape[0]
     bar = tqdm(total=total, desc="lrkv calibrate: activations" + (" and gradients" if fisher else ""),
                disable=not progress, unit="tok")
@@ -163,6 +167,11 @@ def collect_stats(model, batches, progress=True, check_sites=None, fisher=False)
                 if stats is None:
                     if check_sites is not None:
                         check_sites(sites)
+                    found = stats_cache.load(kept, sites, fisher)
+                    if found is not None:
+                        bar.update(total)
+                        bar.set_postfix_str(f"read from {kept}")
+                        return CalibrationStats(sites, unmatched, **found)
                     recorder = _Recorder(len(sites), stride, fisher)
                     stats = CalibrationStats(sites, unmatched, recorder.grams, 0, {} if fisher else None,
                                              recorder.samples if fisher else None)
@@ -190,6 +199,8 @@ def collect_stats(model, batches, progress=True, check_sites=None, fisher=False)
             bar.update(length)
     if fisher:
         stats.samples[:] = [torch.cat(parts) for parts in stats.samples]
+    if kept is not None:
+        stats_cache.save(kept, stats)
     return stats
 
 

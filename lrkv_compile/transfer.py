@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 
 from lrkv_compile.passes.factorize import blocks_for
 from .allocate import OUTLIER_CHANNELS, candidate_ranks, score, search, with_exact
-from .calibrate import (DEFAULT_GROUP_SIZE, DEFAULT_SINKS, DEFAULT_WINDOW, _factor, as_batches, collect_stats,
-                        side_spectra, site_plans)
+from .calibrate import (DEFAULT_GROUP_SIZE, DEFAULT_SINKS, DEFAULT_WINDOW, CalibrationStats, _factor, as_batches,
+                        collect_stats, side_spectra, site_plans)
 from .errors import PlanError
 from .plan import POSITION_BYTES, RankPlan
 
@@ -99,21 +99,32 @@ def _carried(layout, source_rank: int, source_share: float, blocks: int, cap: in
     return min(found, key=lambda pair: abs(_share(pair[1], pair[0], full_dim, context) - source_share))
 
 
-def transfer(plan, model, batches, progress: bool = True, show: bool = True) -> RankPlan:
+def transfer(plan, model, batches=None, progress: bool = True, show: bool = True, stats=None) -> RankPlan:
     """A plan for `model` made from `plan` (a RankPlan, or the path of a saved one) of another model, within the
     source plan's budget: each target layer gets a byte share (the source's at the same relative depth for a
     target of the source's depth, else an equal one), and within it the ranks and layouts of its K and V that
     measure best on `batches` (token ids of the target's text, as `lrkv.calibrate` takes them), with factors
-    re-estimated from them. Prints the mapping when `show`; `transfer_with_mapping` also returns it."""
-    return transfer_with_mapping(plan, model, batches, progress, show)[0]
+    re-estimated from them. Instead of `batches`, `stats`: `collect_stats(model, batches, fisher=True)`, one pass
+    over the text shared with `lrkv.calibrate(model, stats=stats, ...)` (its gradients then come from every row).
+    Prints the mapping when `show`; `transfer_with_mapping` also returns it."""
+    return transfer_with_mapping(plan, model, batches, progress, show, stats)[0]
 
 
-def transfer_with_mapping(plan, model, batches, progress: bool = True, show: bool = True):
+def transfer_with_mapping(plan, model, batches=None, progress: bool = True, show: bool = True, stats=None):
     """`transfer`, returning (plan, [Mapping per target layer and side])."""
     if isinstance(plan, (str, Path)):
         plan = RankPlan.load(plan)
     if not isinstance(plan, RankPlan):
         raise PlanError(f"transfer needs a RankPlan or the path of a saved plan, got {type(plan).__name__}")
+    if (batches is None) == (stats is None):
+        raise PlanError("transfer measures on the target's text: pass batches (token ids) or stats "
+                        "(collect_stats(model, batches, fisher=True)), one of the two")
+    if stats is not None:
+        if not isinstance(stats, CalibrationStats) or stats.fisher is None:
+            raise PlanError("transfer's stats must be what collect_stats(model, batches, fisher=True) returns "
+                            f"for the target model, got {type(stats).__name__}"
+                            f"{' without fisher=True' if isinstance(stats, CalibrationStats) else ''}")
+        return _transfer(plan, model, stats, stats, progress, show)
     rows = [row[None] for batch in as_batches(batches) for row in batch]
     measured = collect_stats(model, rows[:MEASURED_ROWS], progress, fisher=True)
     stats = measured
@@ -121,6 +132,12 @@ def transfer_with_mapping(plan, model, batches, progress: bool = True, show: boo
         stats = collect_stats(model, rows[MEASURED_ROWS:], progress)
         stats.grams[:] = [gram + measured_gram for gram, measured_gram in zip(stats.grams, measured.grams)]
         stats.tokens += measured.tokens
+    return _transfer(plan, model, measured, stats, progress, show)
+
+
+def _transfer(plan, model, measured, stats, progress, show):
+    """`transfer_with_mapping` with the statistics gathered: `measured` (with gradients) scores the candidates,
+    `stats` (every row's activations) gives the factors."""
     sites, context = stats.sites, plan.context
     follow_depth = len(sites) == len(plan.sites)
     sources = [plan.sites[_source_layer(position, len(sites), len(plan.sites))] for position in range(len(sites))]
