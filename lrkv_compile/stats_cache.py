@@ -34,8 +34,8 @@ def folder() -> Path | None:
     return cache_root() / "stats"
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
 
 
 def entry(model, rows: list, fisher: bool, samples: int) -> Path | None:
@@ -48,7 +48,7 @@ def entry(model, rows: list, fisher: bool, samples: int) -> Path | None:
 
     def add(*parts):
         for part in parts:
-            digest.update(part if isinstance(part, bytes) else repr(part).encode())
+            digest.update(part if isinstance(part, (bytes, memoryview)) else repr(part).encode())
             digest.update(b"\0")
 
     here = Path(__file__).parent
@@ -58,8 +58,13 @@ def entry(model, rows: list, fisher: bool, samples: int) -> Path | None:
     add(FORMAT, torch.__version__, transformers.__version__, type(model).__qualname__,
         config.to_json_string() if hasattr(config, "to_json_string") else None, fisher, samples,
         next(model.parameters()).device.type)
-    for name, tensor in model.state_dict().items():
-        add(name, str(tensor.dtype), tuple(tensor.shape), _tensor_bytes(tensor))
+    try:
+        for name, tensor in model.state_dict().items():
+            add(name, str(tensor.dtype), tuple(tensor.shape), _tensor_bytes(tensor))
+    except Exception as error:  # weights that are not plain tensors (offloaded, quantized subclasses)
+        warnings.warn(f"lrkv: calibration statistics not kept: the weight {name} cannot be read to name them "
+                      f"({type(error).__name__}: {error})", LrkvWarning, stacklevel=3)
+        return None
     for row in rows:
         add(tuple(row.shape), _tensor_bytes(row.long()))
     return root / f"{type(model).__name__}-{digest.hexdigest()[:24]}.safetensors"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lrkv_compile as lrkv
-from lrkv_compile import zoo
+from lrkv_compile import stats_cache, zoo
 from lrkv_compile.calibrate import _Recorder, collect_stats
 from lrkv_compile.transfer import latent_share
 
@@ -112,6 +112,16 @@ def test_off_keeps_nothing_and_an_unwritable_folder_is_said(tmp_path, monkeypatc
     with pytest.warns(lrkv.LrkvWarning, match="could not keep the calibration statistics"):
         stats = collect_stats(model, rows, progress=False)
     assert stats.tokens == rows.numel()
+    # weights that cannot be read as bytes (offloaded, a quantized subclass) are said, and nothing is kept
+    monkeypatch.setenv("LRKV_STATS_CACHE", str(tmp_path / "stats"))
+
+    def unreadable(tensor):
+        raise NotImplementedError("a tensor subclass")
+
+    monkeypatch.setattr(stats_cache, "_tensor_bytes", unreadable)
+    with pytest.warns(lrkv.LrkvWarning, match="statistics not kept: the weight .* cannot be read"):
+        assert collect_stats(model, rows, progress=False).tokens == rows.numel()
+    assert not (tmp_path / "stats").exists()
 
 
 def test_transfer_takes_the_statistics_a_calibration_shares(folder):
