@@ -1,17 +1,20 @@
 """Calibration statistics kept on disk, so that a second plan from the same model and text (another budget, the
 CLI's calibrate after its eval, a plan carried over beside one calibrated directly) skips the pass over the text.
 
-An entry is named by a SHA-256 of everything the statistics depend on: the model's class, config and every weight
-and buffer, the token ids row by row, whether loss gradients were taken, the device type, the torch and
-transformers versions, and the source of the modules that trace the model and record the statistics (so an
-edited lrkv never reads statistics an older one recorded). It lives under `$LRKV_STATS_CACHE`, else the
-`stats` folder of lrkv's cache (`lrkv_compile.models.cache_root`); LRKV_STATS_CACHE=off keeps nothing. Deleting
-it is always safe.
+An entry is named by a SHA-256 of everything the statistics depend on: the model's class and the source file that
+defines it, its config and attention implementation, train or eval mode, every parameter and buffer, the token ids
+row by row, whether loss gradients were taken, the device type, the torch and transformers versions, and lrkv's own
+source (so an edited lrkv never reads statistics an older one recorded). It lives under `$LRKV_STATS_CACHE`, else
+the `stats` folder of lrkv's cache (`lrkv_compile.models.cache_root`); LRKV_STATS_CACHE=off keeps nothing. An
+entry takes 8 hidden^2 bytes a layer for the input Gram matrices (SmolLM2 with gradients about 120 MB, a 7B Llama
+about 4.3 GB). Deleting it is always safe.
 """
 import contextlib
 import hashlib
 import json
 import os
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -20,7 +23,6 @@ import torch
 from .errors import LrkvWarning
 
 FORMAT = 1  # bump when what an entry holds changes
-_SOURCES = ("calibrate.py", "trace.py", "passes/sites.py", "passes/patterns.py", "passes/canonicalize.py")
 
 
 def folder() -> Path | None:
@@ -52,14 +54,19 @@ def entry(model, rows: list, fisher: bool, samples: int) -> Path | None:
             digest.update(b"\0")
 
     here = Path(__file__).parent
-    for name in _SOURCES:
-        add((here / name).read_bytes())
+    for source in sorted(here.glob("**/*.py")):  # lrkv's own code: the trace, the recorder, the rotary graph
+        add(source.relative_to(here).as_posix(), source.read_bytes())
+    model_file = getattr(sys.modules.get(type(model).__module__), "__file__", None)  # the model's own forward
     config = getattr(model, "config", None)
-    add(FORMAT, torch.__version__, transformers.__version__, type(model).__qualname__,
-        config.to_json_string() if hasattr(config, "to_json_string") else None, fisher, samples,
+    add(FORMAT, torch.__version__, transformers.__version__, type(model).__module__, type(model).__qualname__,
+        Path(model_file).read_bytes() if model_file else None,
+        config.to_json_string() if hasattr(config, "to_json_string") else None,
+        getattr(config, "_attn_implementation", None), model.training, fisher, samples,
         next(model.parameters()).device.type)
+    name = None
     try:
-        for name, tensor in model.state_dict().items():
+        for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]:
             add(name, str(tensor.dtype), tuple(tensor.shape), _tensor_bytes(tensor))
     except Exception as error:  # weights that are not plain tensors (offloaded, quantized subclasses)
         warnings.warn(f"lrkv: calibration statistics not kept: the weight {name} cannot be read to name them "
@@ -111,13 +118,18 @@ def save(path: Path, stats) -> None:
         tensors.update({f"samples.{site.index}": stats.samples[site.index].contiguous() for site in stats.sites})
     meta = {"sites": json.dumps(_names(stats.sites)), "fisher": json.dumps(stats.fisher is not None),
             "tokens": str(stats.tokens), "format": str(FORMAT)}
-    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        os.close(handle)
         save_file(tensors, partial, metadata=meta)
         os.replace(partial, path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-        warnings.warn(f"lrkv: could not keep the calibration statistics in {path.parent} ({error}); set "
-                      "LRKV_STATS_CACHE to a writable folder, or to off", LrkvWarning, stacklevel=3)
+        partial = None
+    except Exception as error:  # OSError, or safetensors' own error for a file it cannot write
+        warnings.warn(f"lrkv: could not keep the calibration statistics in {path.parent} ({type(error).__name__}: "
+                      f"{error}); set LRKV_STATS_CACHE to a writable folder, or to off", LrkvWarning, stacklevel=3)
+    finally:
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)

@@ -14,7 +14,8 @@ how to spend each layer's bytes:
 - Within its layer's bytes, K and V get the (rank, layout) pair of least estimated loss among calibration's
   candidates (`lrkv_compile.allocate`: factored, rotated and quantized as the plan will be, scored by their
   Fisher-weighted output error) and the source side's own layout at the rank of its share; the loss gradients
-  for that come from the first MEASURED_ROWS rows of the text only.
+  for that come from the first MEASURED_ROWS rows of the text only (from every row of statistics handed in with
+  `stats=`).
 - The factors are re-estimated from all of the target's text (one pass of activation statistics, one whitened
   SVD per side).
 """

@@ -3,7 +3,9 @@ collected again, and a damaged or unwritable cache is said, never a wrong answer
 import warnings
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 import lrkv_compile as lrkv
 from lrkv_compile import stats_cache, zoo
@@ -99,6 +101,19 @@ def test_a_damaged_entry_is_said_and_collected_again(folder, monkeypatch):
     assert len(runs) == 2
 
 
+def test_another_attention_implementation_or_sites_are_not_read_back(folder, monkeypatch):
+    model, rows = _model(), _rows()
+    stats = collect_stats(model, rows, progress=False)
+    sdpa = stats_cache.entry(model, [row[None] for row in rows], False, 512)
+    model.config._attn_implementation = "eager"
+    assert stats_cache.entry(model, [row[None] for row in rows], False, 512) != sdpa
+    assert stats_cache.load(sdpa, stats.sites, False) is not None
+    other = collect_stats(zoo.build("llama", layers=2, heads=4, kv_heads=2, head_dim=16, seed=1), rows,
+                          progress=False, cache=False)
+    with pytest.warns(lrkv.LrkvWarning, match="do not read back .* other attention sites"):
+        assert stats_cache.load(sdpa, other.sites, False) is None
+
+
 def test_off_keeps_nothing_and_an_unwritable_folder_is_said(tmp_path, monkeypatch):
     model, rows = _model(), _rows()
     monkeypatch.setenv("LRKV_STATS_CACHE", "off")
@@ -112,8 +127,20 @@ def test_off_keeps_nothing_and_an_unwritable_folder_is_said(tmp_path, monkeypatc
     with pytest.warns(lrkv.LrkvWarning, match="could not keep the calibration statistics"):
         stats = collect_stats(model, rows, progress=False)
     assert stats.tokens == rows.numel()
-    # weights that cannot be read as bytes (offloaded, a quantized subclass) are said, and nothing is kept
+    # a file the writer cannot write (safetensors' own error: read-only, full disk) is said, and no part is left
     monkeypatch.setenv("LRKV_STATS_CACHE", str(tmp_path / "stats"))
+
+    def failing(tensors, filename, metadata=None):
+        with open(filename, "wb") as file:
+            file.write(b"half")
+        raise SafetensorError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.warns(lrkv.LrkvWarning, match="could not keep the calibration statistics .*No space left"):
+        assert collect_stats(model, rows, progress=False).tokens == rows.numel()
+    assert list((tmp_path / "stats").iterdir()) == []
+    # weights that cannot be read as bytes (offloaded, a quantized subclass) are said, and nothing is kept
+    monkeypatch.setenv("LRKV_STATS_CACHE", str(tmp_path / "stats2"))
 
     def unreadable(tensor):
         raise NotImplementedError("a tensor subclass")
@@ -121,7 +148,7 @@ def test_off_keeps_nothing_and_an_unwritable_folder_is_said(tmp_path, monkeypatc
     monkeypatch.setattr(stats_cache, "_tensor_bytes", unreadable)
     with pytest.warns(lrkv.LrkvWarning, match="statistics not kept: the weight .* cannot be read"):
         assert collect_stats(model, rows, progress=False).tokens == rows.numel()
-    assert not (tmp_path / "stats").exists()
+    assert not (tmp_path / "stats2").exists()
 
 
 def test_transfer_takes_the_statistics_a_calibration_shares(folder):
