@@ -281,10 +281,15 @@ def test_windowed_rope_tiles_inside_the_window_keep_turning_their_queries_tile_b
     check(kwargs, triton_decode.DecodeConfig(block_s=16, num_warps=4, num_stages=1))
 
 
-@pytest.mark.parametrize("edited", ["near", "far", "near, early", "jump back"])
-@pytest.mark.parametrize("splits, dtype", [(1, torch.float32), (3, torch.float16)])
-@pytest.mark.parametrize("ahead, bits", [(False, 16), (True, 16), (False, 4)],
-                         ids=["positions in the tile", "positions a tile ahead", "codes"])
+_GUESS_READS = [(False, 16, "positions in the tile"), (True, 16, "positions a tile ahead"), (False, 4, "codes")]
+_GUESS_EDITS = ["near", "far", "near, early", "jump back"]
+_GUESS_SPLITS = [(1, torch.float32), (3, torch.float16)]
+
+
+@pytest.mark.parametrize("ahead, bits, edited, splits, dtype", [
+    pytest.param(ahead, bits, edited, *_GUESS_SPLITS[(i + j) % 2],
+                 id=f"{name}-{edited}-{_GUESS_SPLITS[(i + j) % 2][0]} split")
+    for i, (ahead, bits, name) in enumerate(_GUESS_READS) for j, edited in enumerate(_GUESS_EDITS)])
 def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, edited, splits, ahead, bits,
                                                                           monkeypatch):
     """The far tiles before the window are guessed from each split's last position, as if the positions ran on, and
@@ -296,7 +301,8 @@ def test_windowed_rope_checks_the_positions_of_the_slots_it_guessed_far(dtype, e
     and three (the last one reaching into the window); the far loop reading each tile's positions with its
     latents, and a tile ahead (`DecodeConfig.positions_ahead`); 16-bit latents (near tiles first) and 4-bit codes
     (far tiles first). The dtype goes with the split count (one split float32, whose tiles take their own angles;
-    three float16): the checks of the positions are the same code in both."""
+    three float16): the checks of the positions are the same code in both. Each way of reading meets every edit,
+    and each of the two with one split and with three, alternating (12 cases, not all 24 pairs)."""
     monkeypatch.setattr(triton_decode, "_splits", lambda *args: splits)
     kwargs = build_case(**{**BASE, "dtype": dtype, "k_bits": bits, "v_bits": bits, "sinks": 0, "window": 0,
                            "mask": "none", "padding": False, "length": 400, "rope_window": 90,
