@@ -92,6 +92,16 @@ class CalibrationStats:
 SAMPLES = 512
 
 
+def check_stats(stats, fisher_for: str | None = None) -> None:
+    """PlanError unless `stats` is what `collect_stats` returns, with the Fisher matrices (`fisher=True`) when
+    `fisher_for` (what needs them) is given."""
+    if not isinstance(stats, CalibrationStats):
+        raise PlanError(f"stats must be the CalibrationStats that collect_stats returns, got {type(stats).__name__}")
+    if fisher_for and stats.fisher is None:
+        raise PlanError(f"{fisher_for} needs stats collected with collect_stats(..., fisher=True); these were "
+                        "collected without fisher=True")
+
+
 class _Recorder:
     """Called from inside the traced graph: accumulates each site's input Gram (float64), keeps a sample
     of its inputs, and puts a zero leaf on its K/V outputs whose gradient is the loss gradient there."""
@@ -307,10 +317,8 @@ def build_plan(model, batches=None, keep=None, budget=None, method="search", con
     elif isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise PlanError(f"group_size={group_size!r} must be a positive integer (heads per group)")
     fisher = budget is not None and method != "none"
-    if stats is not None and not isinstance(stats, CalibrationStats):
-        raise PlanError(f"stats must be the CalibrationStats that collect_stats returns, got {type(stats).__name__}")
-    if stats is not None and fisher and stats.fisher is None:
-        raise PlanError("budget= with a method that measures needs stats collected with collect_stats(..., fisher=True)")
+    if stats is not None:
+        check_stats(stats, "budget= with a method that measures" if fisher else None)
     if batches is not None:
         batches = as_batches(batches)  # read once: collect_stats and the learned method both use them
     if stats is None and batches is not None:

@@ -1,5 +1,5 @@
 """Calibration statistics kept on disk, so that a second plan from the same model and text (another budget, the
-CLI's calibrate after its eval, a plan carried over beside one calibrated directly) skips the pass over the text.
+CLI's calibrate after its eval, a rerun) skips the pass over the text.
 
 An entry is named by a SHA-256 of everything the statistics depend on: the model's class and the source file that
 defines it, its config and attention implementation, train or eval mode, every parameter and buffer, the token ids
@@ -90,7 +90,7 @@ def load(path: Path, sites, fisher: bool) -> dict | None:
     try:
         with safe_open(path, framework="pt") as file:
             meta = file.metadata()
-            if json.loads(meta["sites"]) != _names(sites) or json.loads(meta["fisher"]) != fisher:
+            if json.loads(meta["sites"]) != _names(sites):
                 raise ValueError("it holds other attention sites")
             found = {
                 "grams": [file.get_tensor(f"gram.{site.index}") for site in sites],
@@ -116,8 +116,7 @@ def save(path: Path, stats) -> None:
     if stats.fisher is not None:
         tensors.update({f"fisher.{index}.{side}": matrix for (index, side), matrix in stats.fisher.items()})
         tensors.update({f"samples.{site.index}": stats.samples[site.index].contiguous() for site in stats.sites})
-    meta = {"sites": json.dumps(_names(stats.sites)), "fisher": json.dumps(stats.fisher is not None),
-            "tokens": str(stats.tokens), "format": str(FORMAT)}
+    meta = {"sites": json.dumps(_names(stats.sites)), "tokens": str(stats.tokens), "format": str(FORMAT)}
     partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from lrkv_compile.passes.factorize import blocks_for
 from .allocate import OUTLIER_CHANNELS, candidate_ranks, score, search, with_exact
-from .calibrate import (DEFAULT_GROUP_SIZE, DEFAULT_SINKS, DEFAULT_WINDOW, CalibrationStats, _factor, as_batches,
+from .calibrate import (DEFAULT_GROUP_SIZE, DEFAULT_SINKS, DEFAULT_WINDOW, _factor, as_batches, check_stats,
                         collect_stats, side_spectra, site_plans)
 from .errors import PlanError
 from .plan import POSITION_BYTES, RankPlan
@@ -121,10 +121,7 @@ def transfer_with_mapping(plan, model, batches=None, progress: bool = True, show
         raise PlanError("transfer measures on the target's text: pass batches (token ids) or stats "
                         "(collect_stats(model, batches, fisher=True)), one of the two")
     if stats is not None:
-        if not isinstance(stats, CalibrationStats) or stats.fisher is None:
-            raise PlanError("transfer's stats must be what collect_stats(model, batches, fisher=True) returns "
-                            f"for the target model, got {type(stats).__name__}"
-                            f"{' without fisher=True' if isinstance(stats, CalibrationStats) else ''}")
+        check_stats(stats, "transfer, which weighs each layout by the loss gradients,")
         return _transfer(plan, model, stats, stats, progress, show)
     rows = [row[None] for batch in as_batches(batches) for row in batch]
     measured = collect_stats(model, rows[:MEASURED_ROWS], progress, fisher=True)
