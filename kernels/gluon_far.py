@@ -209,18 +209,32 @@ def _values(tile, v_shift):
 
 
 @gluon.jit
+def _key_channel(r):
+    """The key channel (of the KV head's 64) that rank r of the key operand holds: r = 32 w0 + 16 a + 8 b + 4 w2 +
+    2 w1 + c holds code [0, 4, 1, 5, 2, 6, 3, 7][4 a + 2 b + c] = 2 a + b + 4 c of word 4 w2 + 2 w1 + w0 (_keys'
+    joins). Gluon code, and through its Python function (`key_rank_channels`) the launcher's."""
+    return 8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
+
+
+@gluon.jit
+def _value_channel(ch):
+    """The value channel (of the KV head's 128) that row ch of the value operand and of the context holds: lane
+    g = ch % 8 holds 3-byte words 2g and 2g + 1 of the codes, ch // 64 picks the word and (ch // 8) % 8 the code in it
+    (_value_operand's joins). Gluon code, and through its Python function (`value_channels`) the launcher's."""
+    return 16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7)
+
+
+@gluon.jit
 def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
     """The sinks' exact latents (slots below SINKS, zeros after) as the products' operands: K [16 slots, 64 ranks]
     and VT [128 channels, 16 slots], ranks and channels in the code operands' orders (key_rank_channels,
     value_channels). Loaded once, by the first split."""
     s = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))
-    chan = 8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
-    keys = gl.load(kx_row + s[:, None] * kx_ss + (h * 64 + chan)[None, :], mask=(s < SINKS)[:, None], other=0.0)
+    keys = gl.load(kx_row + s[:, None] * kx_ss + (h * 64 + _key_channel(r))[None, :], mask=(s < SINKS)[:, None], other=0.0)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))
     sv = gl.arange(0, 16, layout=gl.SliceLayout(0, A_OP))
-    phys = 16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7)
-    values = gl.load(vx_row + (h * 128 + phys)[:, None] + sv[None, :] * vx_ss, mask=(sv < SINKS)[None, :], other=0.0)
+    values = gl.load(vx_row + (h * 128 + _value_channel(ch))[:, None] + sv[None, :] * vx_ss, mask=(sv < SINKS)[None, :], other=0.0)
     return keys, values
 
 
@@ -333,8 +347,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     gl.store(m_ptr + row, m_i, mask=ok)
     gl.store(l_ptr + row, gl.sum(l_rows, axis=0), mask=ok)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    phys = 16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7)  # value_channels
-    gl.store(acc_ptr + row[None, :] * 128 + phys[:, None], acc, mask=ok[None, :])
+    gl.store(acc_ptr + row[None, :] * 128 + _value_channel(ch)[:, None], acc, mask=ok[None, :])
 
 
 @gluon.jit
@@ -411,15 +424,10 @@ def _value_operand(V0, V1):
 
 
 def key_rank_channels() -> list[int]:
-    """The key channel (of the KV head's 64) rank r of the key operand holds: r = 32 w0 + 16 a + 8 b + 4 w2 + 2 w1 +
-    c holds code [0, 4, 1, 5, 2, 6, 3, 7][4 a + 2 b + c] = 2 a + b + 4 c of word 4 w2 + 2 w1 + w0 (_keys' joins).
-    The same formula is written out in _exact_tile."""
-    return [8 * (4 * ((r >> 2) & 1) + 2 * ((r >> 1) & 1) + (r >> 5)) + 2 * ((r >> 4) & 1) + ((r >> 3) & 1) + 4 * (r & 1)
-            for r in range(64)]
+    """The key channel each rank of the key operand holds (`_key_channel`)."""
+    return [_key_channel.fn(r) for r in range(64)]
 
 
 def value_channels() -> list[int]:
-    """The value channel (of the KV head's 128) row ch of the context holds: lane g = ch % 8 holds 3-byte words 2g and
-    2g + 1 of the codes, ch // 64 picks the word and (ch // 8) % 8 the code in it (_value_operand's joins). The same
-    formula is written out in _exact_tile and far_kernel's store."""
-    return [16 * (ch & 7) + 8 * (ch >> 6) + ((ch >> 3) & 7) for ch in range(128)]
+    """The value channel each row of the value operand and of the context holds (`_value_channel`)."""
+    return [_value_channel.fn(ch) for ch in range(128)]
