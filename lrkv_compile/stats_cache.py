@@ -2,7 +2,8 @@
 CLI's calibrate after its eval, a rerun) skips the pass over the text.
 
 An entry is named by a SHA-256 of everything the statistics depend on: the model's class and the source file that
-defines it, its config and attention implementation, train or eval mode, every parameter and buffer, the token ids
+defines it, its config and attention implementation, train or eval mode, every parameter and buffer (on a GPU through
+their `fingerprint`, computed there), the token ids
 row by row, whether loss gradients were taken, the device type, the torch and transformers versions, and lrkv's own
 source (so an edited lrkv never reads statistics an older one recorded). It lives under `$LRKV_STATS_CACHE`, else
 the `stats` folder of lrkv's cache (`lrkv_compile.models.cache_root`); LRKV_STATS_CACHE=off keeps nothing. An
@@ -40,6 +41,43 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
 
 
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed 64-bit integers
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_CHUNK = 1 << 22  # words at a time
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >>> bits on 64-bit words held as signed integers (torch's >> keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def fingerprint(tensor: torch.Tensor) -> bytes:
+    """16 bytes that name a tensor's bytes, computed where the tensor lives: two sums mod 2^64 of its 64-bit words,
+    each word times a pseudo-random odd key (splitmix64 of its index, one stream per sum). Any change of one word
+    changes both sums; other changes leave both unchanged with a chance of about 2^-128. A CUDA model's weights are
+    named so without copying them to the host: over 4.3 GB of float16 weights on an H200, 0.10 s against 6.1 s for
+    the copy and SHA-256 (a 7B model's 14 GB: about 20 s on each call of `collect_stats`, twice in a transfer)."""
+    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    if data.numel() % 8:
+        data = torch.cat([data, data.new_zeros(8 - data.numel() % 8)])
+    words = data.view(torch.int64)
+    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _CHUNK):
+        part = words[start:start + _CHUNK]
+        index = torch.arange(start, start + part.numel(), dtype=torch.int64, device=words.device)
+        for stream in range(2):
+            sums[stream] += (part * (_splitmix(2 * index + stream) | 1)).sum()
+    return sums.cpu().numpy().tobytes()
+
+
 def entry(model, rows: list, fisher: bool, samples: int) -> Path | None:
     """The file that holds (or will hold) the statistics of `model` over `rows` ([1, tokens] tensors)."""
     root = folder()
@@ -67,7 +105,8 @@ def entry(model, rows: list, fisher: bool, samples: int) -> Path | None:
     try:
         for name, tensor in [*model.named_parameters(remove_duplicate=False),
                              *model.named_buffers(remove_duplicate=False)]:
-            add(name, str(tensor.dtype), tuple(tensor.shape), _tensor_bytes(tensor))
+            add(name, str(tensor.dtype), tuple(tensor.shape),
+                fingerprint(tensor) if tensor.is_cuda else _tensor_bytes(tensor))
     except Exception as error:  # weights that are not plain tensors (offloaded, quantized subclasses)
         warnings.warn(f"lrkv: calibration statistics not kept: the weight {name} cannot be read to name them "
                       f"({type(error).__name__}: {error})", LrkvWarning, stacklevel=3)

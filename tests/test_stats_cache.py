@@ -166,3 +166,49 @@ def test_transfer_takes_the_statistics_a_calibration_shares(folder):
         lrkv.transfer(source, target, show=False)
     with pytest.raises(lrkv.PlanError, match="without fisher=True"):
         lrkv.transfer(source, target, stats=collect_stats(target, _rows(), progress=False), show=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool, torch.uint8])
+def test_the_fingerprint_of_a_gpu_weight_names_its_bytes(dtype):
+    """A CUDA model's weights are named by `fingerprint`, computed on the GPU; here on CPU tensors, the same arithmetic:
+    a copy gives the same 16 bytes, and one element changed (by 1e-3 for floats, a flipped bit for the rest), two
+    elements swapped, or a change in the last bytes of a length that is not a multiple of 8 words give others."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(2 * 1000 + 3, generator=generator)
+    tensor = (base > 0) if dtype is torch.bool else (base * 50).to(dtype)
+    print_ = stats_cache.fingerprint(tensor)
+    assert len(print_) == 16 and stats_cache.fingerprint(tensor.clone()) == print_
+    changed = []
+    for at in (7, tensor.numel() - 1):
+        other = tensor.clone()
+        if dtype.is_floating_point:
+            other[at] += 1e-3 if dtype is torch.float32 else 1.0
+        else:
+            other[at] = ~other[at] if dtype is torch.bool else other[at] ^ 1
+        changed.append(other)
+    swapped = tensor.clone()
+    first, second = 0, next(i for i in range(1, tensor.numel()) if tensor[i] != tensor[0])
+    swapped[first], swapped[second] = tensor[second], tensor[first]
+    changed.append(swapped)
+    assert all(stats_cache.fingerprint(other) != print_ for other in changed)
+    assert len({stats_cache.fingerprint(other) for other in changed}) == len(changed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a model on a GPU (its weights named by fingerprint on the "
+                                                          "GPU; the arithmetic is checked on CPU tensors above)")
+def test_a_model_on_the_gpu_reads_back_without_copying_its_weights(folder, monkeypatch):
+    model, rows = _model().cuda(), _rows().cuda()
+    for tensor in model.state_dict().values():  # the same 16 bytes on either device
+        assert stats_cache.fingerprint(tensor) == stats_cache.fingerprint(tensor.cpu())
+    copied = []
+    bytes_of = stats_cache._tensor_bytes
+    monkeypatch.setattr(stats_cache, "_tensor_bytes",
+                        lambda tensor: copied.append(tensor.is_cuda and tensor.is_floating_point()) or bytes_of(tensor))
+    runs = _runs(monkeypatch)
+    first = collect_stats(model, rows, progress=False)
+    _same(first, collect_stats(model, rows, progress=False))
+    assert len(runs) == 2 and True not in copied  # read back; no float weight went to the host to be named
+    with torch.no_grad():
+        next(model.parameters())[0, 0] += 1e-3
+    collect_stats(model, rows, progress=False)
+    assert len(runs) == 4 and len(list(folder.glob("*.safetensors"))) == 2
