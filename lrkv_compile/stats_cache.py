@@ -62,9 +62,10 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 def fingerprint(tensor: torch.Tensor) -> bytes:
     """16 bytes that name a tensor's bytes, computed where the tensor lives: two sums mod 2^64 of its 64-bit words,
     each word times a pseudo-random odd key (splitmix64 of its index, one stream per sum). Any change of one word
-    changes both sums; other changes leave both unchanged with a chance of about 2^-128. A CUDA model's weights are
-    named so without copying them to the host: over 4.3 GB of float16 weights on an H200, 0.10 s against 6.1 s for
-    the copy and SHA-256 (a 7B model's 14 GB: about 20 s on each call of `collect_stats`, twice in a transfer)."""
+    changes both sums (the keys are odd); a change of several words leaves a sum unchanged only if it cancels under
+    the fixed keys, about once in 2^64 for changes not built against them. A CUDA model's weights are named so
+    without copying them to the host: over 4.3 GB of float16 weights on an H200, 0.10 s against 6.1 s for the copy
+    and SHA-256 (a 7B model's 14 GB: about 20 s on each call of `collect_stats`, twice in a transfer)."""
     data = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
     if data.numel() % 8:
         data = torch.cat([data, data.new_zeros(8 - data.numel() % 8)])
