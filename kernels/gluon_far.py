@@ -231,10 +231,12 @@ def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
     value_channels). Loaded once, by the first split."""
     s = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
     r = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))
-    keys = gl.load(kx_row + s[:, None] * kx_ss + (h * 64 + _key_channel(r))[None, :], mask=(s < SINKS)[:, None], other=0.0)
+    keys = gl.load(kx_row + s[:, None] * kx_ss + (h * 64 + _key_channel(r))[None, :], mask=(s < SINKS)[:, None],
+                   other=0.0)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))
     sv = gl.arange(0, 16, layout=gl.SliceLayout(0, A_OP))
-    values = gl.load(vx_row + (h * 128 + _value_channel(ch))[:, None] + sv[None, :] * vx_ss, mask=(sv < SINKS)[None, :], other=0.0)
+    values = gl.load(vx_row + (h * 128 + _value_channel(ch))[:, None] + sv[None, :] * vx_ss,
+                     mask=(sv < SINKS)[None, :], other=0.0)
     return keys, values
 
 

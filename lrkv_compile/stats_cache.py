@@ -37,8 +37,13 @@ def folder() -> Path | None:
     return cache_root() / "stats"
 
 
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as one uint8 tensor on its own device."""
+    return tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    return memoryview(_flat_bytes(tensor).cpu().numpy())
 
 
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as signed 64-bit integers
@@ -66,7 +71,7 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     the fixed keys, about once in 2^64 for changes not built against them. A CUDA model's weights are named so
     without copying them to the host: over 4.3 GB of float16 weights on an H200, 0.10 s against 6.1 s for the copy
     and SHA-256 (a 7B model's 14 GB: about 20 s on each call of `collect_stats`, twice in a transfer)."""
-    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    data = _flat_bytes(tensor)
     if data.numel() % 8:
         data = torch.cat([data, data.new_zeros(8 - data.numel() % 8)])
     words = data.view(torch.int64)
