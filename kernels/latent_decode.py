@@ -633,51 +633,56 @@ def latent_decode_kernel(
 
 
 @triton.jit
-def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, order_ptr, inv_freq_ptr, pos_ptr, pos_sb, length_ptr, out_ptr,
-                    first_ptr, exact_window, rope_window, qk_scale, KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr,
+def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, inv_freq_ptr, pos_ptr, pos_sb, length_ptr, out_ptr, first_ptr,
+                    exact_window, rope_window, qk_scale, KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr,
                     HEAD_DIM: tl.constexpr, RANK: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """What the Gluon far loop (`gluon_far.far_kernel`) needs of a decode step, per (batch row b, KV head h): the
-    latent queries of h's query heads as windowed RoPE scores far slots, qk_scale R(window - p) q through h's rows of
-    B_k (rows_ptr: float32 [kv_heads, RANK, HEAD_DIM]; p this step's position), float16 out_ptr [rows * kv_heads, 8,
-    RANK] in the far loop's rank order (order_ptr: the channel of each rank, `gluon_far.key_order`), zero columns past
-    the query heads; and
-    first_ptr[b * kv_heads + h]: the first slot of h's share of [0, end) whose position is less than rope_window
+    """What the Gluon far loop (`gluon_far.far_kernel`) needs of a decode step, per (batch row b, KV head h) =
+    program_id(0), in two programs that do not wait on each other (program_id(1)):
+    0: the latent queries of h's query heads as windowed RoPE scores far slots, qk_scale R(window - p) q through h's
+    rows of B_k (rows_ptr: float32 [kv_heads, RANK, HEAD_DIM], ranks already in the far loop's order,
+    `triton_decode.far_rows`; p this step's position), float16 out_ptr [rows * kv_heads, 8, RANK], zero columns past
+    the query heads;
+    1: first_ptr[b * kv_heads + h]: the first slot of h's share of [0, end) whose position is less than rope_window
     behind this step's (end if none), end the last multiple of TILE at most length - exact_window. The far loop's
-    slots of row b end at the least of its KV heads' firsts, rounded down to a multiple of TILE (`far_end`)."""
+    slots of row b end at the least of its KV heads' firsts, rounded down to a multiple of TILE (`far_end`).
+    Each is a short chain of dependent loads (the length, this step's position, then the rows or the positions):
+    one program for both took 7-8 us a layer on an H200, mostly waiting."""
     pid = tl.program_id(0)
     b, h = pid // KV_HEADS, pid % KV_HEADS
     length = tl.load(length_ptr).to(tl.int32)
     row = pos_ptr + b * pos_sb
     at = tl.load(row + length - 1)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HALF)
-    angle = (rope_window - at).to(tl.float32) * tl.load(inv_freq_ptr + d).to(tl.float32)
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    r = tl.arange(0, RANK)
-    rows = rows_ptr + (h * RANK + tl.load(order_ptr + r))[:, None] * HEAD_DIM + d[None, :]
-    rows1 = tl.load(rows)
-    rows2 = tl.load(rows + HALF)
-    for g in tl.static_range(8):
-        latent = tl.zeros([RANK], tl.float32)
-        if g < GROUP_HEADS:
-            q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g) * q_sh + d
-            q1 = tl.load(q_at).to(tl.float32)
-            q2 = tl.load(q_at + HALF).to(tl.float32)
-            turned1, turned2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
-            latent = (tl.sum(rows1 * turned1[None, :], 1) + tl.sum(rows2 * turned2[None, :], 1)) * qk_scale
-        tl.store(out_ptr + (pid * 8 + g) * RANK + r, latent.to(tl.float16))
-    limit = at - rope_window
-    end = tl.maximum(length - exact_window, 0) // TILE * TILE
-    share = tl.cdiv(end, KV_HEADS)
-    lo = h * share
-    hi = tl.minimum(lo + share, end)
-    first = tl.full([BLOCK], 0, tl.int32) + end
-    for s0 in range(lo, hi, BLOCK):
-        slots = s0 + tl.arange(0, BLOCK)
-        inside = slots < hi
-        near = inside & (tl.load(row + slots, mask=inside, other=0) > limit)
-        first = tl.minimum(first, tl.where(near, slots, end))
-    tl.store(first_ptr + pid, tl.min(first, 0))
+    if tl.program_id(1) == 0:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HALF)
+        r = tl.arange(0, RANK)
+        rows = rows_ptr + (h * RANK + r)[:, None] * HEAD_DIM + d[None, :]
+        rows1 = tl.load(rows)
+        rows2 = tl.load(rows + HALF)
+        angle = (rope_window - at).to(tl.float32) * tl.load(inv_freq_ptr + d).to(tl.float32)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        for g in tl.static_range(8):
+            latent = tl.zeros([RANK], tl.float32)
+            if g < GROUP_HEADS:
+                q_at = query_ptr + b * q_sb + (h * GROUP_HEADS + g) * q_sh + d
+                q1 = tl.load(q_at).to(tl.float32)
+                q2 = tl.load(q_at + HALF).to(tl.float32)
+                turned1, turned2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+                latent = (tl.sum(rows1 * turned1[None, :], 1) + tl.sum(rows2 * turned2[None, :], 1)) * qk_scale
+            tl.store(out_ptr + (pid * 8 + g) * RANK + r, latent.to(tl.float16))
+    else:
+        limit = at - rope_window
+        end = tl.maximum(length - exact_window, 0) // TILE * TILE
+        share = tl.cdiv(end, KV_HEADS)
+        lo = h * share
+        hi = tl.minimum(lo + share, end)
+        first = tl.full([BLOCK], 0, tl.int32) + end
+        for s0 in range(lo, hi, BLOCK):
+            slots = s0 + tl.arange(0, BLOCK)
+            inside = slots < hi
+            near = inside & (tl.load(row + slots, mask=inside, other=0) > limit)
+            first = tl.minimum(first, tl.where(near, slots, end))
+        tl.store(first_ptr + pid, tl.min(first, 0))
 
 
 @triton.jit

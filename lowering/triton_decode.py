@@ -527,12 +527,12 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     part_sum = torch.empty(rows, dtype=torch.float32, device=device)
     if far_splits:
         queries = torch.empty(batch * num_kv_heads, 8, gluon_far.RANK_K, dtype=torch.float16, device=device)
-        launch_kernel(latent_decode.far_prep_kernel, (batch * num_kv_heads,),
-                      (query, query.stride(0), query.stride(1), _per_head(up_k, num_kv_heads, k_blocks),
-                       gluon_far.key_order(device), inv_freq.float().contiguous(), positions, positions.stride(0),
-                       length, queries, start, max(k["window"], v["window"]), int(rope_window), qk_scale),
+        launch_kernel(latent_decode.far_prep_kernel, (batch * num_kv_heads, 2),
+                      (query, query.stride(0), query.stride(1), far_rows(up_k, num_kv_heads, k_blocks),
+                       inv_freq.float().contiguous(), positions, positions.stride(0), length, queries, start,
+                       max(k["window"], v["window"]), int(rope_window), qk_scale),
                       dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, HEAD_DIM=head_dim, RANK=gluon_far.RANK_K,
-                           TILE=gluon_far.BLOCK, BLOCK=1024))
+                           TILE=gluon_far.BLOCK, BLOCK=2048))
         gluon_far.far_splits(
             latent_k=latent_k, k_scale=k_scale, k_zero=k_zero, k_exact=k_exact, latent_v=latent_v, v_scale=v_scale,
             v_zero=v_zero, v_exact=v_exact, queries=queries,
@@ -595,19 +595,31 @@ def project_values(context, up_v, bias_v, blocks, tokens, dtype):
 
 def prepare(up_k: torch.Tensor, up_v: Optional[torch.Tensor], num_kv_heads: int, rope_window: int = 0) -> None:
     """Build now what the launcher keeps per factor tensor (its diagonal blocks, B_v's rows per head, and B_k's
-    where windowed RoPE reads them) and, for windowed RoPE on a GPU, the far loop's rank order (`gluon_far.key_order`):
-    called when a graph is compiled, so these tensors are not allocated inside a CUDA graph's memory pool (mode
-    "reduce-overhead"), where a tensor that outlives the step is an error, and reading the blocks (which
-    synchronizes) never happens in a step."""
+    where windowed RoPE reads them, on a GPU also in the far loop's rank order: `far_rows`): called when a graph is
+    compiled, so these tensors are not allocated inside a CUDA graph's memory pool (mode "reduce-overhead"), where a
+    tensor that outlives the step is an error, and reading the blocks (which synchronizes) never happens in a step."""
     k_blocks = diagonal_blocks(up_k, num_kv_heads)
     if rope_window:
-        _per_head(up_k, num_kv_heads, k_blocks)
-        if up_k.is_cuda:
-            gluon_far.key_order(up_k.device)
+        rows = _per_head(up_k, num_kv_heads, k_blocks)
+        if up_k.is_cuda and rows.shape[1] == gluon_far.RANK_K:
+            far_rows(up_k, num_kv_heads, k_blocks)
     if up_v is not None:
         _per_head(up_v, num_kv_heads, diagonal_blocks(up_v, num_kv_heads))
 
 
+def far_rows(up_k, kv_heads, blocks):
+    """`_per_head`'s rows of B_k with each KV head's ranks in the Gluon far loop's order (`gluon_far.key_order`), as
+    `latent_decode.far_prep_kernel` reads them: built once per tensor version, like the rows."""
+    rows = _per_head(up_k, kv_heads, blocks)
+    cached = _FAR_ROWS.get(up_k)
+    if cached is not None and cached[0] is rows:
+        return cached[1]
+    ordered = rows[:, gluon_far.key_order(rows.device)].contiguous()
+    _FAR_ROWS[up_k] = (rows, ordered)
+    return ordered
+
+
+_FAR_ROWS = WeakIdKeyDictionary()  # factor -> (its _per_head rows, those rows in the far loop's rank order)
 _PER_HEAD = WeakIdKeyDictionary()  # factor -> (its _version, blocks, [kv_heads, range, head_dim] float32)
 
 
