@@ -4,6 +4,9 @@ Llama-3-8B shape (8 KV heads of 4 query heads), batch 16, 16K slots, the cache `
 budget 0.2 w1024 plan. The far loop reads every slot as a far one (the decode kernel's window of 1024 near slots is
 not its work), so its time is a floor for that plan's kernel, not the kernel: prints milliseconds and TB/s per split
 count, the Triton kernel's whole step, the device's copy bandwidth, and writes benchmarks/results/far-loop-<gpu>.json.
+Each split count is timed over the cache's row layout (every KV head of a slot in one row) and over a head-major copy
+of the same bytes (each KV head's slots in one run, as views [rows, slots, kv_heads, per KV head]), the same kernel
+with other strides: what storing the cache head-major would give (docs/gpu-notes.md).
 """
 import json
 import os
@@ -20,6 +23,14 @@ from lrkv_compile.lowering.gluon_far import combine, far_partials  # noqa: E402
 SPLITS = (8, 12, 14, 16, 24, 32)
 
 
+def head_major(tensor, kv_heads):
+    """A copy of a side's tensor [rows, slots, kv_heads * per KV head] stored head-major, as a view [rows, slots,
+    kv_heads, per KV head] (what the far loop reads besides the cache's own row layout)."""
+    rows, slots, width = tensor.shape
+    stored = tensor.view(rows, slots, kv_heads, width // kv_heads).transpose(1, 2).contiguous()
+    return stored.transpose(1, 2)
+
+
 def main():
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
@@ -27,14 +38,16 @@ def main():
     plan = next(plan for plan in bench.PLANS if plan["plan"] == "budget 0.2 w1024")
     kwargs, read = bench.build(bench.SHAPES["llama3-8b"], plan, batch, context, device)
     cache = [kwargs[name] for name in ("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero")]
+    layouts = dict(row=cache, head_major=[head_major(tensor, kv_heads) for tensor in cache])
     query = (torch.randn(batch, kv_heads, 4, 64, device=device) * 0.2).half()
     copy = bench.copy_tbps(device)
     rows = []
     for splits in SPLITS:
-        combine(*far_partials(*cache, query, splits))  # compiles
-        ms = bench.time_ms(lambda: far_partials(*cache, query, splits))
-        rows.append(dict(splits=splits, far_loop_ms=ms, far_loop_TBps=read / ms / 1e9))
-        print(f"far loop, {splits:2} splits: {ms:.4f} ms, {read / ms / 1e9:.2f} TB/s")
+        for layout, sides in layouts.items():
+            combine(*far_partials(*sides, query, splits))  # compiles
+            ms = bench.time_ms(lambda: far_partials(*sides, query, splits))
+            rows.append(dict(splits=splits, layout=layout, far_loop_ms=ms, far_loop_TBps=read / ms / 1e9))
+            print(f"far loop, {splits:2} splits, {layout:10}: {ms:.4f} ms, {read / ms / 1e9:.2f} TB/s")
     config = bench.launch_config(**kwargs)
     triton_ms = bench.time_ms(lambda: bench.decode_attention_with(config, **kwargs))
     print(f"Triton decode kernel, whole step: {triton_ms:.4f} ms; bytes read {read / 1e6:.1f} MB; "

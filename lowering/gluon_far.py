@@ -56,17 +56,32 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     rows = far_hi.numel() // kv_heads  # the step's rows: the cache may hold more
     assert queries.shape[0] == rows * kv_heads, (tuple(queries.shape), rows, kv_heads)
     key_words, value_words = latent_k.view(torch.int32), latent_v.view(torch.int32)
+    kw_sb, kw_sh, kw_ss = _strides(key_words, 8)
+    ks_sb, ks_sh, ks_ss = _strides(k_scale, 2)
+    vw_sb, vw_sh, vw_ss = _strides(value_words, 12)
+    vs_sb, vs_sh, vs_ss = _strides(v_scale, 4)
+    assert kw_sh % 2 == 0 and _strides(k_zero, 2) == (ks_sb, ks_sh, ks_ss) and _strides(v_zero, 4) == (
+        vs_sb, vs_sh, vs_ss), "the key words' head stride must be even, the zero points laid out as the scales"
     exact_k = k_exact if sinks else queries
     exact_v = v_exact if sinks else queries
     mask, mask_sb, mask_ss = _mask_strides(attn_mask, rows, queries)
     launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
         key_words, k_scale, k_zero, value_words, v_scale, v_zero, exact_k, exact_v, queries, far_hi, mask, part_max,
-        part_sum, part_acc, key_words.stride(0), 4, k_scale.stride(0), 2, value_words.stride(0), 12,
-        v_scale.stride(0), 4, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0),
-        exact_v.stride(1) if sinks else 0, mask_sb, splits, row_splits),
-        dict(kw_ss=key_words.stride(1), ks_ss=k_scale.stride(1), vw_ss=value_words.stride(1),
-             vs_ss=v_scale.stride(1), mask_ss=mask_ss, KV_HEADS=kv_heads, GROUP_HEADS=group, SINKS=sinks,
-             HAS_MASK=attn_mask is not None, num_warps=1, maxnreg=MAX_REGISTERS))
+        part_sum, part_acc, kw_sb, kw_sh // 2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, exact_k.stride(0),
+        exact_k.stride(1) if sinks else 0, exact_v.stride(0), exact_v.stride(1) if sinks else 0, mask_sb, splits,
+        row_splits),
+        dict(kw_ss=kw_ss, ks_ss=ks_ss, vw_ss=vw_ss, vs_ss=vs_ss, mask_ss=mask_ss, KV_HEADS=kv_heads,
+             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, num_warps=1, maxnreg=MAX_REGISTERS))
+
+
+def _strides(tensor, per_head):
+    """(row, KV head, slot) strides, in elements, of one of a side's tensors as the far loop reads it: the cache's
+    row layout [rows, slots, kv_heads * per_head] (every KV head of a slot in one row), or a view [rows, slots,
+    kv_heads, per_head] of any strides but a last one of 1, such as head-major storage (each KV head's slots in one
+    run: `benchmarks/far_loop.py` times both)."""
+    if tensor.dim() == 4:
+        return tensor.stride(0), tensor.stride(2), tensor.stride(1)
+    return tensor.stride(0), per_head, tensor.stride(1)
 
 
 def reads_mask(attn_mask, rows: int) -> bool:
@@ -131,10 +146,10 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
 
     latent_k uint8 [rows, slots, kv_heads * 32], k_scale, k_zero float16 [rows, slots, kv_heads * 2], latent_v uint8
     [rows, slots, kv_heads * 48], v_scale, v_zero float16 [rows, slots, kv_heads * 4] (the cache's layout,
-    `lowering/quantize.py`); query [rows, kv_heads, group <= 8, 64]: latent queries, scores = query . keys in base 2.
+    `lowering/quantize.py`), or views [rows, slots, kv_heads, per KV head] of other storage (`_strides`); query [rows, kv_heads, group <= 8, 64]: latent queries, scores = query . keys in base 2.
     slots must be whole 64-slot tiles. Returns (m, l [rows, kv_heads, splits, group], ctx [rows, kv_heads, splits,
     group, 128]): the running maximum, the sum of 2^(score - m) and the unnormalized latent context (`combine`)."""
-    rows, slots, _ = latent_k.shape
+    rows, slots = latent_k.shape[:2]
     kv_heads, group = query.shape[1], query.shape[2]
     if latent_k.device.type != "cuda":
         raise NotImplementedError("far loop: the Gluon kernel runs on CUDA tensors only (the reference op is the CPU "
@@ -144,6 +159,12 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
                                   f"{RANK_K}]")
     for name, tensor, per_head in (("latent_k", latent_k, 32), ("k_scale", k_scale, 2), ("k_zero", k_zero, 2),
                                    ("latent_v", latent_v, 48), ("v_scale", v_scale, 4), ("v_zero", v_zero, 4)):
+        if tensor.dim() == 4:  # a view [rows, slots, kv_heads, per_head], e.g. of head-major storage
+            _check(name, tensor, (rows, slots, kv_heads, per_head))
+            if tensor.stride(3) != 1:
+                raise NotImplementedError(f"far loop: {name}'s view has strides {tensor.stride()}: a last stride of "
+                                          f"1 only")
+            continue
         _check(name, tensor, (rows, slots, kv_heads * per_head))
         if not tensor.is_contiguous():
             raise NotImplementedError(f"far loop: {name} must be contiguous (the cache's row layout)")

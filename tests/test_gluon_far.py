@@ -75,11 +75,19 @@ def _cache(rows, slots, kv_heads, generator):
     return (*quantize(latent_k, 4, 32), *quantize(latent_v, 3, 32))
 
 
+def _head_major(tensor, kv_heads):
+    """A side's tensor [rows, slots, kv_heads * per KV head] stored head-major, as a view [rows, slots, kv_heads,
+    per KV head]."""
+    rows, slots, width = tensor.shape
+    return tensor.view(rows, slots, kv_heads, width // kv_heads).transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
                                        "the CPU compiles them for sm_90 above")
+@pytest.mark.parametrize("layout", ["row", "head-major"])
 @pytest.mark.parametrize("rows, slots, kv_heads, group, splits", [(2, 1024, 8, 4, 3), (3, 640, 2, 8, 4),
                                                                   (1, 64, 4, 1, 1), (2, 4096, 1, 7, 5)])
-def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits):
+def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, layout):
     generator = torch.Generator().manual_seed(rows * slots + group)
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (t.cuda() for t in _cache(rows, slots, kv_heads, generator))
     keys = dequantize(k_codes, k_scale, k_zero, 4, 32).view(rows, slots, kv_heads, 64)
@@ -88,7 +96,10 @@ def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits):
     scores = torch.einsum("bhgr,bshr->bhgs", query.float(), keys)
     weights = torch.exp2(scores - scores.amax(-1, keepdim=True))
     expected = torch.einsum("bhgs,bshc->bhgc", weights, values) / weights.sum(-1)[..., None]
-    m, l, ctx = far_partials(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, query, splits)
+    cache = [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
+    if layout == "head-major":
+        cache = [_head_major(tensor, kv_heads) for tensor in cache]
+    m, l, ctx = far_partials(*cache, query, splits)
     assert m.shape[2] == math.ceil(slots / (math.ceil(slots / splits / 64) * 64))
     got = combine(m, l, ctx)
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))
@@ -116,6 +127,30 @@ def test_the_launch_covers_the_rows_of_the_step_not_of_the_cache(monkeypatch):
                row_splits=splits, part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
                kv_heads=kv_heads, group=4)
     assert launched == [(step_rows * kv_heads, splits)]
+
+
+def test_the_launch_reads_each_layout_by_its_strides(monkeypatch):
+    """The row layout's strides as the cache lays them out, and a head-major view's own: (row, KV head, slot) of the
+    key words (the head's halved), key scales, value words and value scales, then the slot strides as constants."""
+    launched = []
+    monkeypatch.setattr(lowering_far, "launch", lambda kernel, grid, args, constants: launched.append((args,
+                                                                                                       constants)))
+    rows, slots, kv_heads, splits = 2, 128, 2, 3
+    cache = _cache(rows, slots, kv_heads, torch.Generator().manual_seed(0))
+    part = torch.empty(rows * kv_heads * splits * 4)
+    for sides in (cache, [_head_major(tensor, kv_heads) for tensor in cache]):
+        far_splits(**dict(zip(("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero"), sides)),
+                   k_exact=None, v_exact=None, queries=torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16),
+                   far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32), sinks=0, splits=splits,
+                   row_splits=splits, part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
+                   kv_heads=kv_heads, group=4)
+    (row_args, row_constants), (head_args, head_constants) = launched
+    # int32 key words and value words, float16 scales: per slot 2 x 8, 2 x 2, 2 x 12 and 2 x 4 of them
+    assert row_args[14:22] == (slots * 16, 4, slots * 4, 2, slots * 24, 12, slots * 8, 4)
+    assert [row_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [16, 4, 24, 8]
+    assert head_args[14:22] == (slots * 16, slots * 4, slots * 4, slots * 2, slots * 24, slots * 12, slots * 8,
+                                slots * 4)
+    assert [head_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [8, 2, 12, 4]
 
 
 @pytest.mark.parametrize("far, wave, near, splits", [
