@@ -645,8 +645,8 @@ def far_prep_kernel(query_ptr, q_sb, q_sh, rows_ptr, inv_freq_ptr, pos_ptr, pos_
     1: first_ptr[b * kv_heads + h]: the first slot of h's share of [0, end) whose position is less than rope_window
     behind this step's (end if none), end the last multiple of TILE at most length - exact_window. The far loop's
     slots of row b end at the least of its KV heads' firsts, rounded down to a multiple of TILE (`far_end`).
-    Each is a short chain of dependent loads (the length, this step's position, then the rows or the positions):
-    one program for both took 7-8 us a layer on an H200, mostly waiting."""
+    Each waits on a short chain of dependent loads (the length, then this step's position, on which the queries'
+    angles and the scan's positions depend): one program for both took 7-8 us a layer on an H200, mostly waiting."""
     pid = tl.program_id(0)
     b, h = pid // KV_HEADS, pid % KV_HEADS
     length = tl.load(length_ptr).to(tl.int32)

@@ -60,8 +60,11 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     ks_sb, ks_sh, ks_ss = _strides(k_scale, 2)
     vw_sb, vw_sh, vw_ss = _strides(value_words, 12)
     vs_sb, vs_sh, vs_ss = _strides(v_scale, 4)
-    assert kw_sh % 2 == 0 and _strides(k_zero, 2) == (ks_sb, ks_sh, ks_ss) and _strides(v_zero, 4) == (
-        vs_sb, vs_sh, vs_ss), "the key words' head stride must be even, the zero points laid out as the scales"
+    if kw_sh % 2 or _strides(k_zero, 2) != (ks_sb, ks_sh, ks_ss) or _strides(v_zero, 4) != (vs_sb, vs_sh, vs_ss):
+        raise NotImplementedError(f"far loop: the key words' head stride ({kw_sh}) must be even and the zero points "
+                                  f"laid out as the scales (key scales {(ks_sb, ks_sh, ks_ss)}, zero points "
+                                  f"{_strides(k_zero, 2)}; value scales {(vs_sb, vs_sh, vs_ss)}, zero points "
+                                  f"{_strides(v_zero, 4)})")
     exact_k = k_exact if sinks else queries
     exact_v = v_exact if sinks else queries
     mask, mask_sb, mask_ss = _mask_strides(attn_mask, rows, queries)
@@ -77,8 +80,9 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
 def _strides(tensor, per_head):
     """(row, KV head, slot) strides, in elements, of one of a side's tensors as the far loop reads it: the cache's
     row layout [rows, slots, kv_heads * per_head] (every KV head of a slot in one row), or a view [rows, slots,
-    kv_heads, per_head] of any strides but a last one of 1, such as head-major storage (each KV head's slots in one
-    run: `benchmarks/far_loop.py` times both)."""
+    kv_heads, per_head] with a last stride of 1, such as head-major storage (each KV head's slots in one run:
+    `benchmarks/far_loop.py` times both). The codes are read as int32 words (their byte strides and offset multiples
+    of 4, the key words' head stride even: `far_splits` refuses others), the zero points with the scales' strides."""
     if tensor.dim() == 4:
         return tensor.stride(0), tensor.stride(2), tensor.stride(1)
     return tensor.stride(0), per_head, tensor.stride(1)
@@ -146,8 +150,9 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
 
     latent_k uint8 [rows, slots, kv_heads * 32], k_scale, k_zero float16 [rows, slots, kv_heads * 2], latent_v uint8
     [rows, slots, kv_heads * 48], v_scale, v_zero float16 [rows, slots, kv_heads * 4] (the cache's layout,
-    `lowering/quantize.py`), or views [rows, slots, kv_heads, per KV head] of other storage (`_strides`); query [rows, kv_heads, group <= 8, 64]: latent queries, scores = query . keys in base 2.
-    slots must be whole 64-slot tiles. Returns (m, l [rows, kv_heads, splits, group], ctx [rows, kv_heads, splits,
+    `lowering/quantize.py`), or views [rows, slots, kv_heads, per KV head] of other storage (`_strides`); query
+    [rows, kv_heads, group <= 8, 64]: latent queries, scores = query . keys in base 2. slots must be whole 64-slot
+    tiles. Returns (m, l [rows, kv_heads, splits, group], ctx [rows, kv_heads, splits,
     group, 128]): the running maximum, the sum of 2^(score - m) and the unnormalized latent context (`combine`)."""
     rows, slots = latent_k.shape[:2]
     kv_heads, group = query.shape[1], query.shape[2]
@@ -161,9 +166,11 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
                                    ("latent_v", latent_v, 48), ("v_scale", v_scale, 4), ("v_zero", v_zero, 4)):
         if tensor.dim() == 4:  # a view [rows, slots, kv_heads, per_head], e.g. of head-major storage
             _check(name, tensor, (rows, slots, kv_heads, per_head))
-            if tensor.stride(3) != 1:
-                raise NotImplementedError(f"far loop: {name}'s view has strides {tensor.stride()}: a last stride of "
-                                          f"1 only")
+            words = tensor.dtype == torch.uint8  # codes: read as int32 words
+            if tensor.stride(3) != 1 or (words and any(x % 4 for x in (*tensor.stride()[:3], tensor.storage_offset()))):
+                raise NotImplementedError(f"far loop: {name}'s view has strides {tensor.stride()} and offset "
+                                          f"{tensor.storage_offset()}: a last stride of 1 only, and for codes the "
+                                          f"others and the offset whole 4-byte words")
             continue
         _check(name, tensor, (rows, slots, kv_heads * per_head))
         if not tensor.is_contiguous():

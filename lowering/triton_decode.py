@@ -87,9 +87,9 @@ MAX_WARPS_WITH_CODES = 4
 WAVE_FILL = 0.9  # the least share of the last wave of programs the split of the slots accepts
 MAX_SPLITS = 64  # the most splits of a row's slots per kernel
 # the far loop's path (DecodeConfig.far_loop) from caches of this many slots: it has costs of its own (its queries and
-# the end of its slots, 7 us; the window's slots apart, 30 us) that a short cache does not repay (budget 0.2 w1024,
-# Llama-3-8B shape, batch 16, H100: 4K 0.0841 -> 0.0927 ms, 16K 0.2416 -> 0.1567). The capacity, not the length:
-# the length is on the GPU
+# the end of its slots, 7 us then, about 4 us on an H200 now; the window's slots apart, 30 us) that a short cache
+# does not repay (budget 0.2 w1024, Llama-3-8B shape, batch 16, H100: 4K 0.0841 -> 0.0927 ms, 16K 0.2416 -> 0.1567).
+# The capacity, not the length: the length is on the GPU
 FAR_LOOP_FROM = 8192
 _BLOCKS = WeakIdKeyDictionary()  # factor tensor -> (its _version, diagonal blocks)
 

@@ -153,6 +153,39 @@ def test_the_launch_reads_each_layout_by_its_strides(monkeypatch):
     assert [head_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [8, 2, 12, 4]
 
 
+def test_the_launch_refuses_zero_points_laid_out_unlike_their_scales(monkeypatch):
+    """The kernel reads the zero points with the scales' strides: a view whose zero points lie otherwise is refused,
+    not read wrong."""
+    monkeypatch.setattr(lowering_far, "launch", lambda *args: pytest.fail("launched"))
+    rows, slots, kv_heads = 1, 64, 2
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = _cache(rows, slots, kv_heads, torch.Generator().manual_seed(0))
+    part = torch.empty(rows * kv_heads * 4)
+    with pytest.raises(NotImplementedError, match="zero points laid out as the scales"):
+        far_splits(latent_k=k_codes, k_scale=k_scale, k_zero=_head_major(k_zero, kv_heads), k_exact=None,
+                   latent_v=v_codes, v_scale=v_scale, v_zero=v_zero, v_exact=None,
+                   queries=torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16),
+                   far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32), sinks=0, splits=1, row_splits=1,
+                   part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
+                   kv_heads=kv_heads, group=4)
+
+
+def test_far_rows_follow_the_factor():
+    """The far queries' rows of B_k: each KV head's rows in the far loop's rank order, the same tensor while the factor
+    is unchanged, rebuilt after it changes in place."""
+    from lrkv_compile.lowering import triton_decode
+
+    kv_heads = 2
+    up_k = torch.block_diag(*[torch.randn(64, 128) for _ in range(kv_heads)])
+    rows = triton_decode.far_rows(up_k, kv_heads, kv_heads)
+    order = gluon_far.key_rank_channels()
+    expected = up_k.view(kv_heads, 64, kv_heads, 128)[torch.arange(kv_heads), :, torch.arange(kv_heads)]
+    torch.testing.assert_close(rows, expected[:, order], rtol=0, atol=0)
+    assert triton_decode.far_rows(up_k, kv_heads, kv_heads) is rows
+    up_k.mul_(2)
+    torch.testing.assert_close(triton_decode.far_rows(up_k, kv_heads, kv_heads), 2 * expected[:, order], rtol=0,
+                               atol=0)
+
+
 @pytest.mark.parametrize("far, wave, near, splits", [
     (16, 2, 1024, (16, 2)),    # Llama-3-8B shape, 16K, batch 16: one wave of each kernel's programs
     (64, 8, 1024, (56, 8)),    # 64K, batch 4: 72 splits would pad the combine's to 128
