@@ -18,17 +18,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import attention as bench  # noqa: E402
-from lrkv_compile.lowering.gluon_far import combine, far_partials  # noqa: E402
+from lrkv_compile.lowering.gluon_far import combine, far_partials, head_major  # noqa: E402
 
 SPLITS = (8, 12, 14, 16, 24, 32)
-
-
-def head_major(tensor, kv_heads):
-    """A copy of a side's tensor [rows, slots, kv_heads * per KV head] stored head-major, as a view [rows, slots,
-    kv_heads, per KV head] (what the far loop reads besides the cache's own row layout)."""
-    rows, slots, width = tensor.shape
-    stored = tensor.view(rows, slots, kv_heads, width // kv_heads).transpose(1, 2).contiguous()
-    return stored.transpose(1, 2)
 
 
 def main():

@@ -88,6 +88,13 @@ def _strides(tensor, per_head):
     return tensor.stride(0), per_head, tensor.stride(1)
 
 
+def head_major(tensor, kv_heads):
+    """A copy of a side's tensor [rows, slots, kv_heads * per KV head] stored head-major (each KV head's slots in one
+    run), as the view [rows, slots, kv_heads, per KV head] the far loop reads (`_strides`)."""
+    rows, slots, width = tensor.shape
+    return tensor.view(rows, slots, kv_heads, width // kv_heads).transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def reads_mask(attn_mask, rows: int) -> bool:
     """Whether the far loop reads this mask: none, or a boolean one [rows or 1, 1, 1, slots] (transformers' SDPA
     mask in a decode step)."""
@@ -152,8 +159,8 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
     [rows, slots, kv_heads * 48], v_scale, v_zero float16 [rows, slots, kv_heads * 4] (the cache's layout,
     `lowering/quantize.py`), or views [rows, slots, kv_heads, per KV head] of other storage (`_strides`); query
     [rows, kv_heads, group <= 8, 64]: latent queries, scores = query . keys in base 2. slots must be whole 64-slot
-    tiles. Returns (m, l [rows, kv_heads, splits, group], ctx [rows, kv_heads, splits,
-    group, 128]): the running maximum, the sum of 2^(score - m) and the unnormalized latent context (`combine`)."""
+    tiles. Returns (m, l [rows, kv_heads, splits, group], ctx [rows, kv_heads, splits, group, 128]): the running
+    maximum, the sum of 2^(score - m) and the unnormalized latent context (`combine`)."""
     rows, slots = latent_k.shape[:2]
     kv_heads, group = query.shape[1], query.shape[2]
     if latent_k.device.type != "cuda":

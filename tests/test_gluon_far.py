@@ -13,7 +13,7 @@ pytest.importorskip("triton.experimental.gluon", reason="the Gluon far loop need
 
 from lrkv_compile.kernels import gluon_far  # noqa: E402
 from lrkv_compile.lowering import gluon_far as lowering_far  # noqa: E402
-from lrkv_compile.lowering.gluon_far import combine, far_partials, far_splits  # noqa: E402
+from lrkv_compile.lowering.gluon_far import combine, far_partials, far_splits, head_major  # noqa: E402
 from lrkv_compile.lowering.quantize import dequantize, quantize  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -75,13 +75,6 @@ def _cache(rows, slots, kv_heads, generator):
     return (*quantize(latent_k, 4, 32), *quantize(latent_v, 3, 32))
 
 
-def _head_major(tensor, kv_heads):
-    """A side's tensor [rows, slots, kv_heads * per KV head] stored head-major, as a view [rows, slots, kv_heads,
-    per KV head]."""
-    rows, slots, width = tensor.shape
-    return tensor.view(rows, slots, kv_heads, width // kv_heads).transpose(1, 2).contiguous().transpose(1, 2)
-
-
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
                                        "the CPU compiles them for sm_90 above")
 @pytest.mark.parametrize("layout", ["row", "head-major"])
@@ -98,7 +91,7 @@ def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, lay
     expected = torch.einsum("bhgs,bshc->bhgc", weights, values) / weights.sum(-1)[..., None]
     cache = [k_codes, k_scale, k_zero, v_codes, v_scale, v_zero]
     if layout == "head-major":
-        cache = [_head_major(tensor, kv_heads) for tensor in cache]
+        cache = [head_major(tensor, kv_heads) for tensor in cache]
     m, l, ctx = far_partials(*cache, query, splits)
     assert m.shape[2] == math.ceil(slots / (math.ceil(slots / splits / 64) * 64))
     got = combine(m, l, ctx)
@@ -138,7 +131,7 @@ def test_the_launch_reads_each_layout_by_its_strides(monkeypatch):
     rows, slots, kv_heads, splits = 2, 128, 2, 3
     cache = _cache(rows, slots, kv_heads, torch.Generator().manual_seed(0))
     part = torch.empty(rows * kv_heads * splits * 4)
-    for sides in (cache, [_head_major(tensor, kv_heads) for tensor in cache]):
+    for sides in (cache, [head_major(tensor, kv_heads) for tensor in cache]):
         far_splits(**dict(zip(("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero"), sides)),
                    k_exact=None, v_exact=None, queries=torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16),
                    far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32), sinks=0, splits=splits,
@@ -161,7 +154,7 @@ def test_the_launch_refuses_zero_points_laid_out_unlike_their_scales(monkeypatch
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = _cache(rows, slots, kv_heads, torch.Generator().manual_seed(0))
     part = torch.empty(rows * kv_heads * 4)
     with pytest.raises(NotImplementedError, match="zero points laid out as the scales"):
-        far_splits(latent_k=k_codes, k_scale=k_scale, k_zero=_head_major(k_zero, kv_heads), k_exact=None,
+        far_splits(latent_k=k_codes, k_scale=k_scale, k_zero=head_major(k_zero, kv_heads), k_exact=None,
                    latent_v=v_codes, v_scale=v_scale, v_zero=v_zero, v_exact=None,
                    queries=torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16),
                    far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32), sinks=0, splits=1, row_splits=1,
