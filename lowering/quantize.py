@@ -75,14 +75,20 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, rank: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: uint8 [..., width] -> int32 [..., rank]."""
+    """Inverse of `pack_codes`: uint8 [..., width] -> int32 [..., rank]. 8-, 4- and 2-bit codes lie whole in their
+    bytes (code i in byte i * bits // 8 from bit i * bits % 8), so they are shifted out of each byte; 3-bit ones
+    are read eight at a time from 3-byte words."""
+    if bits != 3:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed[..., None] >> shifts) & (2 ** bits - 1)
+        return codes.flatten(-2)[..., :rank].to(torch.int32)
     runs = -(-rank // 8)
-    if bits == 3:
-        packed = packed[..., three_bit_order(packed.shape[-1], packed.device)]
-    stream = torch.nn.functional.pad(packed, (0, runs * bits - packed.shape[-1])).to(torch.int64)
-    words = (stream.unflatten(-1, (runs, bits)) << (8 * torch.arange(bits, device=packed.device))).sum(-1)
-    codes = (words[..., None] >> (bits * torch.arange(8, device=packed.device))) & (2 ** bits - 1)
-    return codes.flatten(-2)[..., :rank].to(torch.int32)
+    packed = packed[..., three_bit_order(packed.shape[-1], packed.device)]
+    stream = torch.nn.functional.pad(packed, (0, runs * bits - packed.shape[-1])).to(torch.int32)
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)  # 24-bit words: int32 holds them
+    words = (stream.unflatten(-1, (runs, bits)) << (8 * shifts[:bits])).sum(-1, dtype=torch.int32)
+    codes = (words[..., None] >> (bits * shifts)) & (2 ** bits - 1)
+    return codes.flatten(-2)[..., :rank]
 
 
 def _block_view(latent: torch.Tensor, group: int, axis: str) -> torch.Tensor:
@@ -134,7 +140,10 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
     tokens = codes.shape[-2] if axis == "channel" else None
     rank = scale.shape[-1] * (group if axis == "token" else 1)
     values = unpack_codes(codes[..., 2 * outliers:], bits, rank).float()
-    values = (values * _scales_per_value(scale, group, axis, tokens) + _scales_per_value(zero, group, axis, tokens))
+    if axis == "token":  # each group's scale broadcast over its channels, not repeated
+        values = (values.unflatten(-1, (-1, group)) * scale.float()[..., None] + zero.float()[..., None]).flatten(-2)
+    else:
+        values = values * _scales_per_value(scale, group, axis, tokens) + _scales_per_value(zero, group, axis, tokens)
     if outliers:
         values = torch.cat((_float16_from_bytes(codes[..., :2 * outliers]), values), dim=-1)
     return values.to(dtype)

@@ -17,8 +17,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of x's first cos.shape[-1] channels by cos and sin (broadcast against them); the channels
     after them (partial rotary) pass as they are."""
-    turned, passed = x[..., :cos.shape[-1]], x[..., cos.shape[-1]:]
-    return torch.cat((turned * cos + rotate_half(turned) * sin, passed), dim=-1)
+    rotary = cos.shape[-1]
+    turned = x[..., :rotary]
+    out = turned * cos
+    out += rotate_half(turned) * sin  # in place: one temporary fewer, the same sums
+    return out if rotary == x.shape[-1] else torch.cat((out, x[..., rotary:]), dim=-1)
 
 
 def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, batch, indices):
@@ -348,8 +351,7 @@ def latent_attention(query, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
         context = _attend(query, keys, values, mask, softmax_scale, softcap, scores)
     else:
         # values stay one latent shared by every KV head until after the reduction over slots
-        context = _attend(query, keys, latent_values[:, None].expand(batch, num_kv_heads, slots, rank_v), mask,
-                          softmax_scale, softcap, scores)
+        context = _attend(query, keys, latent_values, mask, softmax_scale, softcap, scores)
         if up is None:
             return context.transpose(1, 2).reshape(batch, tokens, -1).to(query.dtype)
         context = torch.einsum("bkgtr,rkd->bkgtd", context.view(batch, num_kv_heads, group, tokens, rank_v), up)
@@ -374,9 +376,10 @@ def windowed_scores(query, keys, plain, query_positions, key_positions, inv_freq
     query_positions = torch.broadcast_to(query_positions, (batch, tokens)).long()
     cos, sin = rope_tables(window - query_positions, inv_freq, rope_scale, torch.float32)
     far_query = turn(query.float(), cos[:, None], sin[:, None])
-    grouped = query.float().view(batch, kv_heads, heads // kv_heads, tokens, head_dim)
-    near = grouped @ keys.float()[:, :, None].transpose(-1, -2)
-    far = far_query.view_as(grouped) @ plain.float()[:, :, None].transpose(-1, -2)
+    shape = (batch, kv_heads, heads // kv_heads, tokens, -1)
+    rows = (batch, kv_heads, heads // kv_heads * tokens, head_dim)  # a KV head's queries as rows of one product
+    near = (query.float().reshape(rows) @ keys.float().transpose(-1, -2)).view(shape)
+    far = (far_query.reshape(rows) @ plain.float().transpose(-1, -2)).view(shape)
     behind = query_positions[:, :, None] - key_positions.long()[:, None]  # [batch, tokens, slots]
     scores = torch.where((behind >= window)[:, None, None], far, near)  # [batch, kv_heads, group, tokens, slots]
     return scores.reshape(batch, heads, tokens, -1)
@@ -392,28 +395,36 @@ def latent_scores(query, latents_k, up_k, bias_k, num_kv_heads):
     batch, heads, tokens, head_dim = query.shape
     grouped = query.float().view(batch, num_kv_heads, heads // num_kv_heads, tokens, head_dim)
     absorbed = torch.einsum("bkgtd,rkd->bkgtr", grouped, up_k.float().view(-1, num_kv_heads, head_dim))
-    scores = absorbed @ latents_k.float()[:, None, None].transpose(-1, -2)
+    # every head's latent queries as rows of one product: the latents are not copied per head
+    scores = (absorbed.reshape(batch, heads * tokens, -1) @ latents_k.float().transpose(-1, -2)).view(
+        batch, num_kv_heads, heads // num_kv_heads, tokens, -1)
     if bias_k is not None:
         scores = scores + (grouped * bias_k.float().view(1, num_kv_heads, 1, 1, head_dim)).sum(-1, keepdim=True)
     return scores.reshape(batch, heads, tokens, -1)
 
 
 def _attend(query, keys, values, mask, softmax_scale, softcap=0.0, scores=None):
-    """float32 attention of query [batch, heads, tokens, head_dim] over keys/values [batch, kv_heads, slots, *],
-    scores soft-capped when softcap > 0; `scores` (q k^T, float32 [batch, heads, tokens, slots]) stand for the keys
-    where the caller has them."""
-    if scores is None and not softcap:
+    """float32 attention of query [batch, heads, tokens, head_dim] over keys [batch, kv_heads, slots, head_dim] and
+    values [batch, kv_heads, slots, *], or values [batch, slots, *]: one latent that every head shares. Scores are
+    soft-capped when softcap > 0; `scores` (q k^T, float32 [batch, heads, tokens, slots]) stand for the keys where
+    the caller has them. Each KV head's queries (and, for shared values, all heads) are rows of one product, so no
+    key or value is copied per query head."""
+    shared = values.dim() == 3
+    if scores is None and not softcap and not shared:
         context = torch.nn.functional.scaled_dot_product_attention(
             query.float(), keys.float(), values, attn_mask=mask, scale=softmax_scale, enable_gqa=True)
         return context.nan_to_num(0.0)  # a query with no visible slot attends to nothing
     batch, heads, tokens, _ = query.shape
-    kv_heads, group = values.shape[1], heads // values.shape[1]
     if scores is None:
-        grouped = query.float().view(batch, kv_heads, group, tokens, -1)
-        scores = (grouped @ keys.float()[:, :, None].transpose(-1, -2)).view(batch, heads, tokens, -1)
+        kv_heads = keys.shape[1]
+        rows = query.float().reshape(batch, kv_heads, heads // kv_heads * tokens, -1)
+        scores = (rows @ keys.float().transpose(-1, -2)).view(batch, heads, tokens, -1)
     scores = scores * softmax_scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0).view(batch, kv_heads, group, tokens, -1)
-    return (weights @ values[:, :, None]).reshape(batch, heads, tokens, -1)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible slot attends to nothing
+    if shared:
+        return (weights.view(batch, heads * tokens, -1) @ values).view(batch, heads, tokens, -1)
+    kv_heads = values.shape[1]
+    return (weights.view(batch, kv_heads, heads // kv_heads * tokens, -1) @ values).view(batch, heads, tokens, -1)

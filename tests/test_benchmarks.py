@@ -1,6 +1,7 @@
 """The GPU benchmarks' logic on CPU: `benchmarks/generate.py --tiny` runs every path on a small model,
 `benchmarks/attention.py --tiny` (and its `--sweep` over three plans) and `benchmarks/prefill.py --tiny` every plan
-under Triton's interpreter (they time nothing useful there; the figures come from the GPU)."""
+under Triton's interpreter (they time nothing useful there; the figures come from the GPU); and the CPU decode
+benchmark, `benchmarks/cpu_decode.py --tiny`, on a small random model."""
 import json
 import subprocess
 import sys
@@ -28,6 +29,16 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
     # Leaving out the residual would read 0.08, the scales and zero points 0.56; counting a dequantized copy, 1 or more.
     assert 0.57 < quantized_cache / full_cache < 0.585
     assert all(row["tokens_per_s"] > 0 for row in rows)
+
+
+def test_cpu_decode_benchmark_times_both_paths_at_each_context_on_a_tiny_model():
+    result = subprocess.run([sys.executable, "benchmarks/cpu_decode.py", "--tiny", "--steps", "2"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(row["path"].split(", ")[1], row["context"]) for row in rows] == [
+        ("DynamicCache", 16), ("lrkv", 16), ("DynamicCache", 40), ("lrkv", 40)]
+    assert all(row["ms_per_step"] > 0 and row["tokens_per_s"] > 0 for row in rows)
 
 
 def test_prefill_benchmark_runs_every_plan_against_the_reference_on_a_tiny_model():
