@@ -1,38 +1,35 @@
 """Decode steps on the CPU: SmolLM2-135M from its wheel, uncompressed (transformers' DynamicCache, eager) against lrkv
 compiled under the committed budget-0.2 plan (`examples/plans/smollm2-budget-0.2.safetensors`), whose latent ops run
 the reference implementation on the CPU (`lowering/reference.py`). Each context: a random prompt of that many tokens
-is prefilled, then one-token steps are timed at the same slot (the cache's length put back before each step).
+is prefilled, then one-token steps are timed at the same slot (the cache's length put back before each step; three
+untimed steps first).
 
     python benchmarks/cpu_decode.py [--contexts 512 2048] [--steps 5] [--threads 2] [--out benchmarks/results]
     python benchmarks/cpu_decode.py --tiny    # a small random model and a uniform plan: checks the script
 
-Rows: path, context, ms_per_step (the median), tokens_per_s. Writes benchmarks/results/cpu-decode.json (not with
---tiny); never asserts timings.
+Rows: path, context, ms_per_step (the median), tokens_per_s, threads. Writes benchmarks/results/cpu-decode.json
+(not with --tiny); never asserts timings.
 """
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import lrkv_compile as lrkv
+from generate import time_steps  # benchmarks/generate.py, beside this script
 from lrkv_compile.compiled import cache_capacity
 
 PLAN = pathlib.Path(__file__).parent.parent / "examples" / "plans" / "smollm2-budget-0.2.safetensors"
 
 
-def median_step(model, cache, token, steps, keyword, rewind) -> float:
-    times = []
-    with torch.no_grad():
-        for _ in range(steps + 1):  # the first step is not timed
-            rewind()
-            start = time.perf_counter()
+def decoding(model, cache, token, keyword):
+    """One decode step of `model` through `cache`, as `generate.time_steps` times it."""
+    def step():
+        with torch.no_grad():
             model(input_ids=token, **{keyword: cache}, use_cache=True)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return step
 
 
 def stock_row(model, ids, steps, keyword) -> float:
@@ -45,19 +42,17 @@ def stock_row(model, ids, steps, keyword) -> float:
         extra = cache.get_seq_length() - context
         if extra:
             cache.crop(-extra)
-    return median_step(model, cache, token, steps, keyword, rewind)
+    return time_steps(decoding(model, cache, token, keyword), steps, ids.device, rewind)[1]
 
 
 def lrkv_row(compiled, model, plan, ids, steps, keyword, capacity) -> float:
     cache = lrkv.LatentCache(model, plan, max_batch_size=1, max_cache_len=capacity)
     with torch.no_grad():
         token = compiled(input_ids=ids, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
-    lengths = [layer.cumulative_length.clone() for layer in cache.layers]
-
-    def rewind():
-        for layer, length in zip(cache.layers, lengths):
-            layer.cumulative_length.copy_(length)
-    return median_step(compiled, cache, token, steps, keyword, rewind)
+    lengths = [layer.cumulative_length for layer in cache.layers]
+    prefilled = [length.clone() for length in lengths]
+    return time_steps(decoding(compiled, cache, token, keyword), steps, ids.device,
+                      lambda: torch._foreach_copy_(lengths, prefilled))[1]
 
 
 def main():
