@@ -74,6 +74,43 @@ def test_calibrations_leave_no_state_that_turns_the_compiled_model_uncompressed(
     assert "five lrkv.compile calls ok" in result.stdout
 
 
+def test_backend_name_works_from_a_source_checkout_without_the_entry_point():
+    """backend="lrkv" where the package runs from a checkout on PYTHONPATH, not pip-installed (no entry point):
+    importing lrkv registers the backend itself, and the compiled model is the plan's. Where installed, the entry
+    point names it and the import registers nothing (a second registration would break Dynamo's load of it)."""
+    assert lrkv.backend.register() is False  # the test command runs on the installed package
+    script = textwrap.dedent('''
+        import importlib.metadata
+        declared = importlib.metadata.entry_points
+        def entry_points(**selection):  # the installed distribution's entry point hidden, as in a bare checkout
+            found = declared(**selection)
+            if selection.get("group") == "torch_dynamo_backends":
+                return importlib.metadata.EntryPoints(point for point in found if point.name != "lrkv")
+            return found
+        importlib.metadata.entry_points = entry_points
+        import torch
+        import lrkv_compile as lrkv
+        from strategies import VOCAB, build_model
+        model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
+                                 attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
+        plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+        ids = torch.randint(0, VOCAB, (1, 8))
+        forward = torch.compile(model.forward, backend="lrkv", options={"plan": plan})
+        with torch.no_grad():
+            got = forward(input_ids=ids, use_cache=False).logits
+            want = lrkv.low_rank_reference(model, plan)(input_ids=ids, use_cache=False).logits
+        print("entry point seen", "lrkv" in declared(group="torch_dynamo_backends").names,
+              "hidden", "lrkv" not in importlib.metadata.entry_points(group="torch_dynamo_backends").names)
+        print("plan", float((got - want).abs().max()))
+    ''')
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "entry point seen True hidden True" in result.stdout, result.stdout
+    plan_line = next(line for line in result.stdout.splitlines() if line.startswith("plan"))
+    assert float(plan_line.split()[1]) < 1e-4, plan_line
+
+
 def test_strict_compile_refuses_to_run_eagerly():
     model = build_model(SMALL)
     lm = lrkv.compile(model, lrkv.RankPlan.uniform(model, keep=0.5, progress=False))
