@@ -27,6 +27,8 @@ and cache slot s:
 Beside the sides, the cache holds one int32 [max_batch, slots] buffer of each slot's position, from which
 RoPE is computed when keys are rebuilt (no per-slot cos/sin rows are stored).
 """
+import functools
+
 import torch
 
 QUANTIZED_BITS = (8, 4, 3, 2)
@@ -55,22 +57,40 @@ def three_bit_order(width: int, device=None) -> torch.Tensor:
     return torch.where(block < whole, stored, byte)
 
 
+def _stored_order(width: int, device) -> torch.Tensor:
+    """`three_bit_order(width)` where a 3-bit write or read takes it: kept per width on the CPU, where each layer
+    and side of every step would build it again (a dozen small ops); built on the codes' device elsewhere, as a
+    CUDA graph captures it."""
+    if device.type == "cpu":
+        return _cpu_three_bit_order(width)
+    return three_bit_order(width, device)
+
+
+@functools.cache
+def _cpu_three_bit_order(width: int) -> torch.Tensor:
+    return three_bit_order(width)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., rank] (integers in [0, 2^bits)) -> uint8 [..., packed_width(rank, bits)].
 
-    Eight codes fill exactly `bits` bytes, so the stream is built eight codes at a time: code i of a run goes
-    to bits [i*bits, (i+1)*bits) of a little-endian word of `bits` bytes; 3-bit streams are then stored in
-    `three_bit_order`."""
+    8-, 4- and 2-bit codes lie whole in their bytes: code i in byte i * bits // 8 from bit i * bits % 8. Eight 3-bit
+    codes fill exactly 3 bytes, so that stream is built eight codes at a time (code i of a run in bits [3i, 3i + 3)
+    of a little-endian 3-byte word) and then stored in `three_bit_order`."""
     rank = codes.shape[-1]
-    runs = -(-rank // 8)
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, runs * 8 - rank)).unflatten(-1, (runs, 8))
-    words = (padded << (bits * torch.arange(8, device=codes.device))).sum(-1)        # [..., runs]
-    stream = (words[..., None] >> (8 * torch.arange(bits, device=codes.device))) & 0xFF  # [..., runs, bits]
-    stream = stream.flatten(-2)[..., :packed_width(rank, bits)].to(torch.uint8)
     if bits != 3:
-        return stream
+        per_byte = 8 // bits
+        padded = torch.nn.functional.pad(codes.to(torch.int32), (0, -rank % per_byte)).unflatten(-1, (-1, per_byte))
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+        return (padded << shifts).sum(-1, dtype=torch.int32).to(torch.uint8)
+    runs = -(-rank // 8)
+    padded = torch.nn.functional.pad(codes.to(torch.int32), (0, runs * 8 - rank)).unflatten(-1, (runs, 8))
+    shifts = torch.arange(8, dtype=torch.int32, device=codes.device)  # 24-bit words: int32 holds them
+    words = (padded << (bits * shifts)).sum(-1, dtype=torch.int32)  # [..., runs]
+    stream = (words[..., None] >> (8 * shifts[:bits])) & 0xFF  # [..., runs, bits]
+    stream = stream.flatten(-2)[..., :packed_width(rank, bits)].to(torch.uint8)
     stored = torch.empty_like(stream)
-    stored[..., three_bit_order(stream.shape[-1], stream.device)] = stream
+    stored[..., _stored_order(stream.shape[-1], stream.device)] = stream
     return stored
 
 
@@ -83,7 +103,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, rank: int) -> torch.Tensor:
         codes = (packed[..., None] >> shifts) & (2 ** bits - 1)
         return codes.flatten(-2)[..., :rank].to(torch.int32)
     runs = -(-rank // 8)
-    packed = packed[..., three_bit_order(packed.shape[-1], packed.device)]
+    packed = packed[..., _stored_order(packed.shape[-1], packed.device)]
     stream = torch.nn.functional.pad(packed, (0, runs * bits - packed.shape[-1])).to(torch.int32)
     shifts = torch.arange(8, dtype=torch.int32, device=packed.device)  # 24-bit words: int32 holds them
     words = (stream.unflatten(-1, (runs, bits)) << (8 * shifts[:bits])).sum(-1, dtype=torch.int32)
@@ -105,12 +125,10 @@ def _block_view(latent: torch.Tensor, group: int, axis: str) -> torch.Tensor:
     return latent.unflatten(-2, (-1, group)).transpose(-1, -2)
 
 
-def _scales_per_value(scale: torch.Tensor, group: int, axis: str, tokens: int) -> torch.Tensor:
-    """float32 scale (or zero) [..., rows, groups] spread to one per value [..., tokens, rank]."""
-    scale = scale.float()
-    if axis == "token":
-        return scale.repeat_interleave(group, dim=-1)
-    return scale.repeat_interleave(group, dim=-2)[..., :tokens, :]
+def _channel_scales(scale: torch.Tensor, group: int, tokens: int) -> torch.Tensor:
+    """float32 per-channel scale (or zero) [..., blocks, rank] spread to one per value [..., tokens, rank] (per-token
+    scales broadcast over their groups instead)."""
+    return scale.float().repeat_interleave(group, dim=-2)[..., :tokens, :]
 
 
 def quantize(latent: torch.Tensor, bits: int, group: int, axis: str = "token", outliers: int = 0):
@@ -125,9 +143,13 @@ def quantize(latent: torch.Tensor, bits: int, group: int, axis: str = "token", o
     scale = ((high - low) / levels).to(torch.float16)
     zero = low.to(torch.float16)
     # quantize against the stored (fp16) scale and zero, so dequantization reproduces the grid exactly
-    tokens = latent.shape[-2] if axis == "channel" else None
-    step = _scales_per_value(scale, group, axis, tokens).clamp_min(2.0 ** -24)  # a constant group gets code 0
-    codes = torch.round((latent.float() - _scales_per_value(zero, group, axis, tokens)) / step).clamp_(0, levels)
+    if axis == "token":  # each group's scale and zero broadcast over its channels, not repeated
+        step = scale.float()[..., None].clamp_min(2.0 ** -24)  # a constant group gets code 0
+        codes = torch.round((blocks - zero.float()[..., None]) / step).clamp_(0, levels).flatten(-2)
+    else:
+        tokens = latent.shape[-2]
+        step = _channel_scales(scale, group, tokens).clamp_min(2.0 ** -24)
+        codes = torch.round((latent.float() - _channel_scales(zero, group, tokens)) / step).clamp_(0, levels)
     codes = pack_codes(codes, bits)
     if outliers:
         codes = torch.cat((kept.to(torch.float16).contiguous().view(torch.uint8), codes), dim=-1)
@@ -137,13 +159,13 @@ def quantize(latent: torch.Tensor, bits: int, group: int, axis: str = "token", o
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group: int,
                axis: str = "token", outliers: int = 0, dtype=torch.float32) -> torch.Tensor:
     """(codes, scale, zero) from `quantize` -> latent [..., tokens, rank] in `dtype`."""
-    tokens = codes.shape[-2] if axis == "channel" else None
     rank = scale.shape[-1] * (group if axis == "token" else 1)
     values = unpack_codes(codes[..., 2 * outliers:], bits, rank).float()
     if axis == "token":  # each group's scale broadcast over its channels, not repeated
         values = (values.unflatten(-1, (-1, group)) * scale.float()[..., None] + zero.float()[..., None]).flatten(-2)
     else:
-        values = values * _scales_per_value(scale, group, axis, tokens) + _scales_per_value(zero, group, axis, tokens)
+        tokens = codes.shape[-2]
+        values = values * _channel_scales(scale, group, tokens) + _channel_scales(zero, group, tokens)
     if outliers:
         values = torch.cat((_float16_from_bytes(codes[..., :2 * outliers]), values), dim=-1)
     return values.to(dtype)
