@@ -136,12 +136,12 @@ class _FallbackAlarm(logging.Filter):
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_FallbackAlarm())
 
 
-def register(entry_points=importlib.metadata.entry_points) -> bool:
+def register() -> bool:
     """Register `lrkv_backend` as backend="lrkv" where no installed distribution declares it (the package run from
     a source checkout on PYTHONPATH, without `pip install`), so that string still names it. An installed lrkv
     declares it as a torch_dynamo_backends entry point, which Dynamo loads itself; registering it here too would
     make that load fail on a duplicate name. Returns whether it registered."""
-    if "lrkv" in entry_points(group="torch_dynamo_backends").names:
+    if "lrkv" in importlib.metadata.entry_points(group="torch_dynamo_backends").names:
         return False
     torch._dynamo.register_backend(lrkv_backend, name="lrkv")
     return True
