@@ -325,7 +325,9 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, 
     return m_i, sums, acc
 
 
-@triton.jit
+# the split counts are values, not specializations: the launcher's trial compile (`triton_decode._resident`, which
+# reads the registers) passes 2 splits, and a launch of 1 or a multiple of 16 would compile the kernel a second time
+@triton.jit(do_not_specialize=["num_splits", "far_splits"])
 def latent_decode_kernel(
         query_ptr, q_sb, q_sh,
         k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,

@@ -15,6 +15,8 @@ import os
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import ahead
+
 _COMPILED = {}  # (kernel, device, constants, key of the arguments) -> (compiled kernel, trailing constexprs)
 
 
@@ -43,7 +45,11 @@ def _specialization(args):
 
 def launch(kernel, grid, args, constants: dict) -> None:
     """kernel[grid](*args, **constants), where `args` are the kernel's leading parameters by position and
-    `constants` the rest of them (its constexprs) and the launch options, by name."""
+    `constants` the rest of them (its constexprs) and the launch options, by name. On a thread that compiles
+    ahead (`ahead.compiling`) it compiles the kernel for these arguments in a worker instead."""
+    if ahead.compiling():
+        ahead.compile_kernel(kernel, grid, args, constants)
+        return
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernel[grid](*args, **constants)
         return

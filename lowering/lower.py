@@ -8,6 +8,8 @@ rewritten unless `inductor=True`.
 """
 import torch
 
+from . import ahead
+
 
 def choose_kernels(gm: torch.fx.GraphModule, kernels: str) -> None:
     """Set the implementation of every latent_attention and latent_write call of `gm` to `kernels` (one of
@@ -28,6 +30,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs, kernels: str = "auto", induc
                                             for value in example_inputs)
     if kernels != "reference":
         _prepare_kernels(gm)
+        ahead.start(gm, example_inputs)  # the decode step's Triton kernels compile while Inductor works
     if not inductor:
         return gm.forward
     from torch._inductor import list_mode_options

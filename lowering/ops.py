@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lrkv_compile.errors import KernelUnavailableError, UnrewrittenSiteError
-from . import quantize, reference
+from . import ahead, quantize, reference
 
 # who computes latent_attention: "auto" the Triton kernel on CUDA tensors where it covers the step (decode), else
 # the reference; "reference" always the PyTorch reference (the oracle); "triton" the kernel or an error saying why
@@ -34,6 +34,7 @@ def _dispatch(implementation: str, on_cuda: bool, kernel, reference_op):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; choose one of {IMPLEMENTATIONS}")
     if implementation == "triton" or implementation == "auto" and on_cuda:
+        ahead.settle()  # the kernels compiling ahead, if any (`lowering.ahead`)
         try:
             return kernel()
         except NotImplementedError as why:
