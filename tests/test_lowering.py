@@ -117,11 +117,17 @@ def test_cuda_graphs_replay_decode_steps_that_read_far_tiles_through_tensor_desc
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=8, head_dim=64, hidden_size=128,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float16, seed=0)).cuda()
     plan = dataclasses.replace(lrkv.RankPlan.uniform(model, keep=0.5, progress=False), rope_window=8)
-    from lrkv_compile.lowering import triton_decode
+    from lrkv_compile.lowering import ahead, triton_decode
     from torch._dynamo.utils import counters
 
     made, taken = triton_decode.tile_descriptor, []
-    monkeypatch.setattr(triton_decode, "tile_descriptor", lambda *args: taken.append(made(*args)) or taken[-1])
+
+    def tile_descriptor(*args):  # those of the steps, not of their kernels' compiles ahead (lowering.ahead)
+        descriptor = made(*args)
+        if not ahead.compiling():
+            taken.append(descriptor)
+        return descriptor
+    monkeypatch.setattr(triton_decode, "tile_descriptor", tile_descriptor)
     counters.clear()
     logits = _greedy_steps(model, plan, torch.randint(0, VOCAB, (2, 90), device="cuda"), steps=8, max_cache_len=128)
     assert not counters["inductor"]["cudagraph_skips"], "Inductor ran the steps without CUDA graphs"
