@@ -76,7 +76,7 @@ def settle() -> None:
 def calls(gm: torch.fx.GraphModule, example_inputs) -> list:
     """The decode-step latent op calls of `gm` as (op function, keyword arguments), one per distinct set of argument
     shapes, layouts and constants: the graph's placeholders and attributes as given, every value the graph computes
-    as zeros of its traced shape, dtype and strides (found by running the graph up to the last op needed on fake
+    as zeros of its traced shape, dtype and strides (found by running the graph up to its last latent op on fake
     tensors). Empty where the graph has none, or where its shapes are not static numbers."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from . import ops
@@ -84,8 +84,9 @@ def calls(gm: torch.fx.GraphModule, example_inputs) -> list:
     functions = {torch.ops.lrkv.latent_attention.default: ops.latent_attention,
                  torch.ops.lrkv.latent_write.default: ops.latent_write}
     wanted = [node for node in gm.graph.nodes if node.target in functions]
-    if not wanted:
-        return []
+    if not wanted or any(_symbolic(node.meta.get("example_value")) for node in gm.graph.nodes
+                         if node.op == "placeholder"):
+        return []  # none, or a graph of symbolic shapes (a prompt's, whose length varies): nothing ahead
     # the graph runs on fake copies of its inputs and attributes (a real input would be written by the graph's
     # in-place ops); the calls take the real ones
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -108,17 +109,24 @@ def calls(gm: torch.fx.GraphModule, example_inputs) -> list:
                 kwargs = {name: (real[value] if value in real else interpreter.env[value])
                           if isinstance(value, torch.fx.Node) else value for name, value in node.kwargs.items()}
                 new = kwargs["query"] if "query" in kwargs else kwargs["new_k"].unsqueeze(1)
-                if new.dim() != 4 or new.shape[2] != 1:  # a prompt's call: not compiled ahead
-                    continue
                 key = (node.target, tuple((name, _describe(value)) for name, value in kwargs.items()))
-                if key not in seen:
+                if new.dim() == 4 and new.shape[2] == 1 and key not in seen:  # a prompt's call is not compiled ahead
                     seen.add(key)
                     found.append((functions[node.target], kwargs))
+                if node is wanted[-1]:
+                    break
         except Exception as error:  # a graph the fake tensors cannot run (data-dependent shapes): nothing ahead
             _log.debug("lrkv: no kernels compiled ahead for this graph: %r", error)
             return []
     return [(function, {name: _zeros(value) if isinstance(value, FakeTensor) else value
                         for name, value in kwargs.items()}) for function, kwargs in found]
+
+
+def _symbolic(value) -> bool:
+    """Whether a placeholder's traced value is a symbolic size or a tensor of symbolic sizes."""
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride()))
+    return isinstance(value, torch.SymInt)
 
 
 def _describe(value):
@@ -138,7 +146,8 @@ def _zeros(fake: torch.Tensor) -> torch.Tensor:
 def start(gm: torch.fx.GraphModule, example_inputs) -> int:
     """Start compiling the Triton kernels of `gm`'s decode-step latent ops (`calls`) in worker threads, where they
     run on CUDA tensors (under Triton's interpreter nothing compiles). Returns how many calls it started."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or not any(isinstance(value, torch.Tensor) and value.is_cuda
+                                                            for value in example_inputs):
         return 0
     started = 0
     for function, kwargs in calls(gm, example_inputs):
