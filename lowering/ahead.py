@@ -2,8 +2,8 @@
 
 Each Triton kernel compiles at its first launch, and a compiled graph's first launch comes only after Inductor has
 compiled the graph around the latent ops. For the budget plan with windowed RoPE that put, on a freshly started
-machine, about 20 s of one-after-another kernel compiles after Inductor's (the decode kernel alone takes 22.4 s on
-one core of this project's CPU machine for sm_90: docs/gpu-notes.md, "Stop 58").
+H200, about 17 s of one-after-another kernel compiles after Inductor's (the decode kernel alone takes 22.4 s on one
+core of this project's CPU machine for sm_90: docs/gpu-notes.md, "Stop 58" and "Stop 59").
 
 `start(gm, example_inputs)`, called by `lower` before Inductor starts, runs the Triton launchers of the graph's
 decode-step ops (one call per distinct set of shapes and constants) in worker threads, with `launch.launch`
@@ -67,7 +67,7 @@ def compile_kernel(kernel, grid, args, constants: dict) -> None:
 def settle() -> None:
     """Wait for every compile started ahead (nothing to wait for: returns at once). On a thread that compiles ahead
     it returns at once: that work is among what would be waited for."""
-    if compiling():
+    if not _PENDING or compiling():  # the common case first: this runs before every kernel launch of an op
         return
     while _PENDING:
         _PENDING.pop().result()  # `_submit`'s work raises nothing; a job's compiles are queued before it ends
@@ -96,9 +96,7 @@ def calls(gm: torch.fx.GraphModule, example_inputs) -> list:
     placeholders = iter(example_inputs)
     with mode:
         try:
-            for node in gm.graph.nodes:
-                if node.op == "output":
-                    break
+            for node in gm.graph.nodes:  # up to the last of `wanted`, which comes before the output
                 if node.op in ("placeholder", "get_attr"):
                     real[node] = next(placeholders) if node.op == "placeholder" else interpreter.fetch_attr(node.target)
                     interpreter.env[node] = fake(real[node])
@@ -132,8 +130,6 @@ def _symbolic(value) -> bool:
 def _describe(value):
     """What of an argument its kernels' compiles may depend on."""
     if isinstance(value, torch.Tensor):
-        if any(not isinstance(size, int) for size in (*value.shape, *value.stride())):
-            raise ValueError("symbolic shapes")
         return value.dtype, value.device, tuple(value.shape), value.stride(), value.storage_offset()
     return value
 
@@ -143,18 +139,15 @@ def _zeros(fake: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device).zero_()
 
 
-def start(gm: torch.fx.GraphModule, example_inputs) -> int:
+def start(gm: torch.fx.GraphModule, example_inputs) -> None:
     """Start compiling the Triton kernels of `gm`'s decode-step latent ops (`calls`) in worker threads, where they
-    run on CUDA tensors (under Triton's interpreter nothing compiles). Returns how many calls it started."""
+    run on CUDA tensors (under Triton's interpreter nothing compiles)."""
     if os.environ.get("TRITON_INTERPRET") == "1" or not any(isinstance(value, torch.Tensor) and value.is_cuda
                                                             for value in example_inputs):
-        return 0
-    started = 0
+        return
     for function, kwargs in calls(gm, example_inputs):
         tensors = [value for value in kwargs.values() if isinstance(value, torch.Tensor)]
         if not tensors or not tensors[0].is_cuda:
             continue
         _submit(lambda function=function, kwargs=kwargs: function(**{**kwargs, "implementation": "triton"}),
                 tensors[0].device)
-        started += 1
-    return started
