@@ -268,8 +268,8 @@ def _rebuilt_attention(query, cache_args, widths, constants, length, written, po
     mask, causal = _visible(attn_mask, tokens, slots, written, length)
     context = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)
-    if mask is not None:  # a query the mask hides every slot from attends to nothing, as in the reference
-        context.nan_to_num_(0.0)
+    if mask is not None:  # a query the mask hides every slot from attends to nothing, as in the reference (CUDA's
+        context.masked_fill_(~mask.any(-1, keepdim=True), 0.0)  # SDPA may return finite values there, not NaN)
     return context
 
 

@@ -239,6 +239,23 @@ def test_a_mask_broadcast_over_the_batch_and_the_heads():
     check(kwargs)
 
 
+@pytest.mark.parametrize("blind_row", [False, True])
+def test_the_rebuild_path_zeroes_the_queries_a_mask_hides_everything_from(monkeypatch, blind_row):
+    """A query whose boolean mask hides every slot attends to nothing (zeros, as in the reference), whatever SDPA
+    returns there: CUDA's SDPA (torch 2.11 on an H200) gave finite junk. Here SDPA returns 7s in those rows."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def junk_where_blind(*args, attn_mask=None, **kwargs):
+        context = sdpa(*args, attn_mask=attn_mask, **kwargs)
+        return context if attn_mask is None else context.masked_fill(~attn_mask.any(-1, keepdim=True), 7.0)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", junk_where_blind)
+    kwargs = build_prefill_case(**{**BASE, "dtype": torch.float32, "earlier": 0, "tokens": 5, "mask": "bool",
+                                   "mask_shape": "padding", "padding": False, "blind_row": blind_row, "spare": 0})
+    hidden = ~kwargs["attn_mask"].any(-1)  # [batch, 1, 1]
+    assert hidden.any() == blind_row
+    check(kwargs, "rebuild")
+
+
 @pytest.mark.parametrize("absorb", [False, True])
 @pytest.mark.parametrize("k_bits, v_bits", [(16, 16), (4, 8)])
 def test_joint_factors_wider_than_a_chunk(k_bits, v_bits, absorb):
