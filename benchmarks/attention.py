@@ -3,7 +3,7 @@
 measured in the same run. Llama-2-7B (32 x 128, MHA) and Llama-3-8B (32 query / 8 KV heads) attention shapes; one
 layer; random orthonormal factors; caches written by the reference write op (the real layout).
 
-    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--extra-slots 17] [--out benchmarks/results]
+    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--extra-slots 17] [--rows] [--out benchmarks/results]
     python benchmarks/attention.py --tiny [--sweep]   # the logic on CPU under Triton's interpreter (times mean nothing)
 
 Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
@@ -13,7 +13,9 @@ slots score against their latents without rebuilding keys). The issue's target a
 plans, >= 0.8 x for the budget plan. --sweep first times launch geometries at 16K and uses the fastest per plan.
 --extra-slots N adds N cached slots to every setting: the step sits at slot context - 1 with positions equal to
 slots, so at the default contexts a window of 1024 has its edge on a tile boundary (no tile across it), where a
-decode step meets such a tile in 63 of 64 positions; 17 puts the edge inside a tile.
+decode step meets such a tile in 63 of 64 positions; 17 puts the edge inside a tile. Quantized head-wise sides are
+stored head-major where LatentCache stores them so (each KV head's codes in one run: `quantize.by_blocks`); --rows
+stores them as rows (every KV head of a slot in one row), the layout before; each row's `storage` says which.
 Writes benchmarks/results/attention-<gpu>.json; never asserts timings. --tiny runs every plan at a tiny shape on CPU
 under Triton's interpreter, each row checked against the reference op, windowed plans at a window that leaves far
 tiles (TINY_WINDOW), and writes nothing.
@@ -35,8 +37,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from lrkv_compile.lowering import reference  # noqa: E402
-from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
+from lrkv_compile.lowering import quantize, reference  # noqa: E402
+from lrkv_compile.lowering.quantize import blocks_apart, exact_dtype, packed_width  # noqa: E402
 from lrkv_compile.lowering.triton_decode import CANDIDATES, decode_attention_with, launch_config  # noqa: E402
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
@@ -76,8 +78,10 @@ def side_bytes(rank, bits, group):
     return 2 * rank if bits == 16 else packed_width(rank, bits) + 4 * (rank // group)
 
 
-def build(shape, plan, batch, context, device):
-    """Keyword arguments of latent_attention for the decode step at slot context - 1, and the bytes it reads."""
+def build(shape, plan, batch, context, device, by_blocks=True):
+    """Keyword arguments of latent_attention for the decode step at slot context - 1, and the bytes it reads.
+    by_blocks: quantized head-wise sides stored head-major where LatentCache stores them so (`quantize.by_blocks`),
+    else as rows."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, head_dim, heads = shape["kv_heads"], shape["head_dim"], shape["heads"]
     rank_k, rank_v = (int(plan[f"keep_{side}"] * head_dim) * kv_heads for side in "kv")
@@ -89,10 +93,16 @@ def build(shape, plan, batch, context, device):
             sides[side] = [torch.randn(batch, context, rank, dtype=torch.float16, device=device), empty, empty.clone(),
                            empty.clone()]
         else:
-            sides[side] = [torch.zeros(batch, context, packed_width(rank, bits), dtype=torch.uint8, device=device),
-                           torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device),
-                           torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device),
-                           torch.zeros(batch, sinks, rank, dtype=exact_dtype(torch.float16), device=device)]
+            blocks = kv_heads if plan["scheme"] == "head" and by_blocks else 1
+            if blocks > 1 and blocks_apart(bits, group, "token", 0, rank // blocks):
+                stored = [quantize.by_blocks(batch, context, blocks, width // blocks, dtype, device)
+                          for width, dtype in ((packed_width(rank, bits), torch.uint8), (rank // group, torch.float16),
+                                               (rank // group, torch.float16))]
+            else:
+                stored = [torch.zeros(batch, context, packed_width(rank, bits), dtype=torch.uint8, device=device),
+                          torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device),
+                          torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device)]
+            sides[side] = stored + [torch.zeros(batch, sinks, rank, dtype=exact_dtype(torch.float16), device=device)]
     positions = torch.arange(context, dtype=torch.int32, device=device).expand(batch, -1).contiguous()
     layout = dict(k_bits=plan["k_bits"], k_group=max(1, plan["group"]), k_sinks=plan["sinks"], k_axis="token",
                   k_outliers=0, v_bits=plan["v_bits"], v_group=max(1, plan["group"]), v_sinks=plan["sinks"],
@@ -209,6 +219,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU under Triton's interpreter")
     parser.add_argument("--extra-slots", type=int, default=0,
                         help="cached slots added to every setting (17: the window's edge inside a tile)")
+    parser.add_argument("--rows", action="store_true",
+                        help="quantized sides stored as rows, not head-major as LatentCache stores them")
     args = parser.parse_args()
     if args.extra_slots < 0:
         parser.error(f"--extra-slots {args.extra_slots}: a count of slots to add, 0 or more")
@@ -230,7 +242,7 @@ def main():
             for plan in plans:
                 if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5":
                     continue  # keep 0.5 takes keep 0.25's geometry
-                kwargs, _ = build(shape, plan, *sweep_at, device)
+                kwargs, _ = build(shape, plan, *sweep_at, device, not args.rows)
                 results = sweep(kwargs)
                 chosen[(name, plan["plan"])] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
@@ -256,7 +268,7 @@ def main():
                 if full_bytes * 3 > free:
                     skipped.append(f"{where}: needs about {full_bytes * 3 / 2**30:.0f} GiB, {free / 2**30:.0f} free")
                     continue
-                kwargs, read = build(shape, plan, batch, context, device)
+                kwargs, read = build(shape, plan, batch, context, device, not args.rows)
                 quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
                 config = chosen.get((name, plan["plan"])) or launch_config(**kwargs)  # what the launcher takes
                 lrkv = time_ms(lambda: decode_attention_with(config, **kwargs), device)
@@ -272,6 +284,7 @@ def main():
                     shape=name, batch=batch, context=context, plan=plan["plan"], scheme=plan["scheme"],
                     keep=f"{plan['keep_k']:g}/{plan['keep_v']:g}", bits=f"{plan['k_bits']}/{plan['v_bits']}",
                     rope_window=plan.get("rope_window", 0),
+                    storage="blocks" if kwargs["latent_k"].dim() == 4 or kwargs["latent_v"].dim() == 4 else "rows",
                     lrkv_ms=round(lrkv, 4), sdpa_ms=round(full_ms, 4), speedup=round(full_ms / lrkv, 3),
                     bytes_ratio=round(ratio, 3), lrkv_TBps=round(read / lrkv / 1e9, 3),
                     sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),

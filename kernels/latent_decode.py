@@ -50,7 +50,7 @@ codes through C_vᵀ p in 64-slot tiles read NaN or fault on an H100 (Triton 3.6
 import triton
 import triton.language as tl
 
-from .latent_tiles import latent_tile, packed_order, packed_scales
+from .latent_tiles import latent_tile, packed_order, packed_scales_at
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores go base 2: the launcher's qk_scale holds it, additive masks here
 
@@ -202,13 +202,11 @@ def _run_start(pos_row, lo, hi, BLOCK_S: tl.constexpr, CHECK: tl.constexpr):
 
 @triton.jit
 def _key_scales(k_cache, b, t0, hi, k_lo, k_hi, K_GROUP: tl.constexpr, K_CHUNK: tl.constexpr, EVEN: tl.constexpr,
-                BLOCK_S: tl.constexpr):
+                K_STORED: tl.constexpr, BLOCK_S: tl.constexpr):
     """The packed key codes' (scales, zero points) of the tile at t0 (slots below hi). The main loop loads them a
     tile ahead: 2-byte loads stay out of the software pipeline, so each tile waited on them."""
-    _, _, _, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, _, _, _, _, _, _ = k_cache  # see latent_tiles.latent_tile
     slots = t0 + tl.arange(0, BLOCK_S)
-    return packed_scales(k_scale_ptr, k_zero_ptr, b * k_sz_sb + slots * k_sz_ss, slots < hi, k_lo, k_hi, K_GROUP,
-                         K_CHUNK, EVEN)
+    return packed_scales_at(k_cache, b, slots, slots < hi, k_lo, k_hi, K_GROUP, K_CHUNK, EVEN, K_STORED)
 
 
 @triton.jit
@@ -231,10 +229,10 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, 
                  HALF: tl.constexpr, G_PAD: tl.constexpr,
                  K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                  K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
-                 K_PACKED: tl.constexpr,
+                 K_PACKED: tl.constexpr, K_STORED: tl.constexpr,
                  V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                  V_FAST: tl.constexpr, V_EXACT: tl.constexpr, V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
-                 V_PACKED: tl.constexpr,
+                 V_PACKED: tl.constexpr, V_STORED: tl.constexpr,
                  HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
                  EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_S: tl.constexpr, FAR: tl.constexpr,
@@ -266,7 +264,7 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, 
     for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
         latent = latent_tile(k_cache, b, t0, slots, slot_ok, k_lo + c, k_hi, length, K_BITS, K_GROUP, K_FAST,
                              K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE, K_BLOCK_RANK % K_CHUNK == 0,
-                             K_PACKED, k_scale_ahead, k_zero_ahead, k_desc)
+                             K_PACKED, K_STORED, k_scale_ahead, k_zero_ahead, k_desc)
         if FAR:
             if ONE_K_CHUNK:
                 right = far_q
@@ -316,7 +314,8 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, 
     scores = tl.where(visible[:, None], scores * qk_scale + additive[:, None] * LOG2E, float("-inf"))
     m_i, sums, alpha, p = _softmax_step(m_i, sums, scores, FAST_MATH)
     values = latent_tile(v_cache, b, t0, slots, slot_ok, v_lo, v_hi, length, V_BITS, V_GROUP, V_FAST, V_EXACT,
-                         V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0, V_PACKED, None,
+                         V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0, V_PACKED,
+                         V_STORED, None,
                          None, v_desc)
     if VALUES_FIRST:
         acc = _mm(tl.trans(values), p, acc * alpha[None, :], DOT_DTYPE, IEEE)
@@ -330,21 +329,24 @@ def _attend_tile(m_i, sums, acc, t0, pos, start, ordered, cached_lo, cached_hi, 
 @triton.jit(do_not_specialize=["num_splits", "far_splits"])
 def latent_decode_kernel(
         query_ptr, q_sb, q_sh,
-        k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+        k_lat_ptr, k_lat_sb, k_lat_ss, k_lat_sk, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_sz_sk, k_exact_ptr,
+        k_ex_sb, k_ex_ss,
         new_k_ptr, new_k_sb,
-        v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+        v_lat_ptr, v_lat_sb, v_lat_ss, v_lat_sk, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_sz_sk, v_exact_ptr,
+        v_ex_sb, v_ex_ss,
         new_v_ptr, new_v_sb,
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr, mask_ptr, mask_sb, mask_ss, length_ptr,
         far_ptr, far_bias_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        qk_scale, num_splits, k_width, k_sinks, k_window, v_width, v_sinks, v_window, rope_window, k_desc, v_desc,
+        qk_scale, num_splits, k_width, k_sinks, k_window, v_width, v_sinks, v_window,
+        rope_window, k_desc, v_desc,
         start_ptr, far_splits,
         KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
-        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr, K_PACKED: tl.constexpr,
+        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr, K_PACKED: tl.constexpr, K_STORED: tl.constexpr,
         V_HEADS_PER_BLOCK: tl.constexpr, V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
-        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_PACKED: tl.constexpr,
+        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_PACKED: tl.constexpr, V_STORED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr,
         EXACT_ANGLES: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr,
         KEY_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr, VALUES_FIRST: tl.constexpr,
@@ -362,10 +364,10 @@ def latent_decode_kernel(
     this kernel's splits cover the rest of the row and follow them."""
     pid_bh, v_part = tl.program_id(0), tl.program_id(2)
     # each side of the cache as latent_tiles.latent_tile takes it
-    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-               k_width, k_sinks, k_window)
-    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
-               v_width, v_sinks, v_window)
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_lat_sk, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_sz_sk,
+               k_exact_ptr, k_ex_sb, k_ex_ss, k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_lat_sk, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_sz_sk,
+               v_exact_ptr, v_ex_sb, v_ex_ss, v_width, v_sinks, v_window)
     mask = (mask_ptr, mask_sb, mask_ss)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     start = 0
@@ -509,12 +511,12 @@ def latent_decode_kernel(
             k_scale, k_zero = None, None  # else each tile loads them itself
             if AHEAD:
                 k_scale, k_zero = _key_scales(k_cache, b, near_lo, mid_hi, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
-                                              BLOCK_S)
+                                              K_STORED, BLOCK_S)
             for t0 in range(near_lo, mid_hi, BLOCK_S):
                 next_scale, next_zero = None, None
                 if AHEAD:
                     next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, mid_hi, k_lo, k_hi, K_GROUP,
-                                                        K_CHUNK, K_EVEN, BLOCK_S)
+                                                        K_CHUNK, K_EVEN, K_STORED, BLOCK_S)
                 start = first + (t0 - run_lo)
                 pos = start + delta
                 turned1, turned2 = qr1, qr2
@@ -526,8 +528,8 @@ def latent_decode_kernel(
                     turned2.to(DOT_DTYPE), cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi,
                     k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, k_scale, k_zero, 0.0, far_row, 0.0,
                     v_cache, v_lo, v_hi, None, None, HALF, G_PAD,
-                    K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
-                    V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
+                    K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED, K_STORED,
+                    V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED, V_STORED,
                     HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE,
                     BLOCK_S, False, VALUES_FIRST)
                 if HAS_ROPE:
@@ -540,7 +542,7 @@ def latent_decode_kernel(
             k_scale, k_zero = None, None
             if AHEAD:
                 k_scale, k_zero = _key_scales(k_cache, b, far_lo, far_seen, k_lo, k_hi, K_GROUP, K_CHUNK, K_EVEN,
-                                              BLOCK_S)
+                                              K_STORED, BLOCK_S)
             if POSITIONS_AHEAD:
                 pos_next = tl.load(pos_row + far_lo + delta, mask=far_lo + delta < far_seen, other=floor)
             for t0 in range(far_lo, far_hi, BLOCK_S):
@@ -551,13 +553,13 @@ def latent_decode_kernel(
                 next_scale, next_zero = None, None
                 if AHEAD:
                     next_scale, next_zero = _key_scales(k_cache, b, t0 + BLOCK_S, far_seen, k_lo, k_hi, K_GROUP,
-                                                        K_CHUNK, K_EVEN, BLOCK_S)
+                                                        K_CHUNK, K_EVEN, K_STORED, BLOCK_S)
                 m_i, sums, acc = _attend_tile(
                     m_i, sums, acc, t0, 0, 0, True, None, far_seen, length, b, 0.0, 0.0, 0.0, 0.0, inv_freq_ptr,
                     qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2,
                     k_scale, k_zero, far_q, far_row, far_bias, v_cache, v_lo, v_hi, k_desc, v_desc, HALF, G_PAD,
-                    K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED,
-                    V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED,
+                    K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, False, K_CHANNEL, K_OUTLIERS, K_PACKED, K_STORED,
+                    V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, False, V_CHANNEL, V_OUTLIERS, V_PACKED, V_STORED,
                     HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE,
                     BLOCK_S, True, VALUES_FIRST)
                 if not POSITIONS_AHEAD:
@@ -592,8 +594,8 @@ def latent_decode_kernel(
             m_i, sums, acc, t0, pos, start, False, None, cached_hi, length, b, qr1.to(DOT_DTYPE), qr2.to(DOT_DTYPE),
             cos_delta, sin_delta, inv_freq_ptr, qk_scale, mask, k_cache, k_lo, k_hi, k_order, up1, up2, up_k_ptr,
             up_k_sr, col, bias1, bias2, None, None, 0.0, far_row, 0.0, v_cache, v_lo, v_hi, None, None, HALF, G_PAD,
-            K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED,
-            V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_PACKED,
+            K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_PACKED, K_STORED,
+            V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_PACKED, V_STORED,
             HAS_ROPE, HAS_BIAS, MASK_KIND, EXACT_ANGLES, FAST_MATH, DTYPE, DOT_DTYPE, KEY_DTYPE, IEEE, BLOCK_S,
             False, VALUES_FIRST)
     l_i = tl.sum(sums, 0)

@@ -55,7 +55,7 @@ def prune_configs(configs, named_args, **kwargs):
 def _latents(side, new, b, t0, slots, slot_ok, earlier, ch0, ch_hi, length, NEW: tl.constexpr, BITS: tl.constexpr,
              GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr, CHANNEL: tl.constexpr,
              OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
-             EVEN: tl.constexpr):
+             EVEN: tl.constexpr, STORED: tl.constexpr):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of `slots` in DTYPE: NEW, this step's exact
     ones (slot s is row s - earlier of new [batch, tokens, rank]); else the earlier steps' as the cache holds them
     after this step's write (`length` slots written). side: the cache's side (`latent_tiles.latent_tile`); new:
@@ -67,7 +67,7 @@ def _latents(side, new, b, t0, slots, slot_ok, earlier, ch0, ch_hi, length, NEW:
         values = tl.load(at, mask=slot_ok[:, None] & (ch < ch_hi)[None, :], other=0.0).to(DTYPE)
     else:
         values = latent_tile(side, b, t0, slots, slot_ok, ch0, ch_hi, length, BITS, GROUP, FAST,
-                             EXACT, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, False)
+                             EXACT, CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, False, STORED)
     return values
 
 
@@ -78,8 +78,10 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
                  NEW: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
                  K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                  K_FAST: tl.constexpr, K_EXACT: tl.constexpr, K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
+                 K_STORED: tl.constexpr,
                  V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                  V_FAST: tl.constexpr, V_EXACT: tl.constexpr, V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
+                 V_STORED: tl.constexpr,
                  HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, FAST_MATH: tl.constexpr,
                  DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr):
     """Slots t0.. (below hi) into the online softmax state of the tile's queries: m_i, l_i [BLOCK_M] (max and sum, in
@@ -96,7 +98,7 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
     for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
         latent = _latents(k_cache, k_new, b, t0, slots, slot_ok, earlier, k_lo + c, k_hi, length, NEW, K_BITS,
                           K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE,
-                          K_BLOCK_RANK % K_CHUNK == 0)
+                          K_BLOCK_RANK % K_CHUNK == 0, K_STORED)
         if ONE_K_CHUNK:
             right1, right2 = up1, up2
         else:
@@ -135,7 +137,8 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
     alpha = _exp2((m_i - m_use) * LOG2E, FAST_MATH)
     p = _exp2((scores - m_use[:, None]) * LOG2E, FAST_MATH)
     values = _latents(v_cache, v_new, b, t0, slots, slot_ok, earlier, v_lo, v_hi, length, NEW, V_BITS, V_GROUP,
-                      V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0)
+                      V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE, V_BLOCK_RANK % V_CHUNK == 0,
+                      V_STORED)
     acc = _mm(p, values, acc * alpha[:, None], DOT_DTYPE, IEEE)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -146,21 +149,24 @@ def _attend_tile(m_i, l_i, acc, t0, hi, earlier, length, b, q1, q2, query_index,
 @triton.jit
 def latent_prefill_kernel(
         query_ptr, q_sb, q_sh, q_st,
-        k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+        k_lat_ptr, k_lat_sb, k_lat_ss, k_lat_sk, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_sz_sk, k_exact_ptr,
+        k_ex_sb, k_ex_ss,
         new_k_ptr, new_k_sb, new_k_st,
-        v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+        v_lat_ptr, v_lat_sb, v_lat_ss, v_lat_sk, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_sz_sk, v_exact_ptr,
+        v_ex_sb, v_ex_ss,
         new_v_ptr, new_v_sb, new_v_st,
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr,
         mask_ptr, mask_sb, mask_sh, mask_st, mask_ss, mask_width, length_ptr,
         out_ptr, out_sb, out_st, out_sh,
-        qk_scale, tokens, tokens_bucket, k_width, k_sinks, k_window, v_width, v_sinks, v_window, rope_window,
+        qk_scale, tokens, tokens_bucket, k_width, k_sinks, k_window, v_width, v_sinks, v_window,
+        rope_window,
         KV_HEADS: tl.constexpr, GROUP_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
-        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
+        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr, K_STORED: tl.constexpr,
         V_HEADS_PER_BLOCK: tl.constexpr, V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
-        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
+        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_STORED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_KIND: tl.constexpr, FAST_MATH: tl.constexpr,
         DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, WINDOWED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -172,10 +178,10 @@ def latent_prefill_kernel(
     tile, pid_bh, v_part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
     # each side of the cache as latent_tiles.latent_tile takes it, and this step's latents
-    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-               k_width, k_sinks, k_window)
-    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
-               v_width, v_sinks, v_window)
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_lat_sk, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_sz_sk,
+               k_exact_ptr, k_ex_sb, k_ex_ss, k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_lat_sk, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_sz_sk,
+               v_exact_ptr, v_ex_sb, v_ex_ss, v_width, v_sinks, v_window)
     k_new, v_new = (new_k_ptr, new_k_sb, new_k_st), (new_v_ptr, new_v_sb, new_v_st)
     HALF: tl.constexpr = HEAD_DIM // 2
     TILE_TOKENS: tl.constexpr = BLOCK_M // GROUP_HEADS
@@ -234,8 +240,8 @@ def latent_prefill_kernel(
                 qk_scale, pos_ptr, pos_sb, mask_ptr, mask_ss, mask_width, far1, far2, query_at, rope_window,
                 k_cache, k_new, k_lo, k_hi, up1, up2, up_k_ptr, up_k_sr, col, bias1, bias2, v_cache, v_new, v_lo,
                 v_hi, new == 1, HALF, BLOCK_M, BLOCK_S,
-                K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS,
-                V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS,
+                K_BLOCK_RANK, K_CHUNK, K_BITS, K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_STORED,
+                V_BLOCK_RANK, V_CHUNK, V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_STORED,
                 HAS_ROPE, HAS_BIAS, MASK_KIND, FAST_MATH, DTYPE, DOT_DTYPE, IEEE, WINDOWED)
     context = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     ch = v_part * V_CHUNK + tl.arange(0, V_CHUNK)

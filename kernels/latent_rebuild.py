@@ -19,9 +19,11 @@ from .latent_prefill import _latents
 
 @triton.jit
 def rebuild_kernel(
-        k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
+        k_lat_ptr, k_lat_sb, k_lat_ss, k_lat_sk, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_sz_sk, k_exact_ptr,
+        k_ex_sb, k_ex_ss,
         new_k_ptr, new_k_sb, new_k_st,
-        v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
+        v_lat_ptr, v_lat_sb, v_lat_ss, v_lat_sk, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_sz_sk, v_exact_ptr,
+        v_ex_sb, v_ex_ss,
         new_v_ptr, new_v_sb, new_v_st,
         pos_ptr, pos_sb, up_k_ptr, up_k_sr, bias_k_ptr, inv_freq_ptr,
         keys_ptr, keys_sb, keys_sh, keys_ss, plain_ptr, values_ptr, values_sb, values_sh, values_ss,
@@ -29,10 +31,10 @@ def rebuild_kernel(
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         K_HEADS_PER_BLOCK: tl.constexpr, K_BLOCK_RANK: tl.constexpr, K_CHUNK: tl.constexpr,
         K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FAST: tl.constexpr, K_EXACT: tl.constexpr,
-        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr,
+        K_CHANNEL: tl.constexpr, K_OUTLIERS: tl.constexpr, K_STORED: tl.constexpr,
         V_HEADS_PER_BLOCK: tl.constexpr, V_BLOCK_RANK: tl.constexpr, V_CHUNK: tl.constexpr,
         V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FAST: tl.constexpr, V_EXACT: tl.constexpr,
-        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr,
+        V_CHANNEL: tl.constexpr, V_OUTLIERS: tl.constexpr, V_STORED: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_MATH: tl.constexpr, DTYPE: tl.constexpr,
         DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr, PLAIN: tl.constexpr, BLOCK_S: tl.constexpr):
     """keys [batch, KV_HEADS, slots, HEAD_DIM] and values [batch, KV_HEADS, slots, V_BLOCK_RANK] (DTYPE) of the slots
@@ -41,10 +43,10 @@ def rebuild_kernel(
     as the projection made them, to plain_ptr (the strides of keys). Programs past those slots store nothing."""
     tile, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // KV_HEADS, pid_bh % KV_HEADS
-    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_exact_ptr, k_ex_sb, k_ex_ss,
-               k_width, k_sinks, k_window)
-    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_exact_ptr, v_ex_sb, v_ex_ss,
-               v_width, v_sinks, v_window)
+    k_cache = (k_lat_ptr, k_lat_sb, k_lat_ss, k_lat_sk, k_scale_ptr, k_zero_ptr, k_sz_sb, k_sz_ss, k_sz_sk,
+               k_exact_ptr, k_ex_sb, k_ex_ss, k_width, k_sinks, k_window)
+    v_cache = (v_lat_ptr, v_lat_sb, v_lat_ss, v_lat_sk, v_scale_ptr, v_zero_ptr, v_sz_sb, v_sz_ss, v_sz_sk,
+               v_exact_ptr, v_ex_sb, v_ex_ss, v_width, v_sinks, v_window)
     k_new, v_new = (new_k_ptr, new_k_sb, new_k_st), (new_v_ptr, new_v_sb, new_v_st)
     HALF: tl.constexpr = HEAD_DIM // 2
     length = tl.load(length_ptr).to(tl.int32)
@@ -63,7 +65,7 @@ def rebuild_kernel(
     for c in range(0, K_BLOCK_RANK, K_CHUNK):  # one chunk for head-wise factors, many for joint ones
         latent = _latents(k_cache, k_new, b, t0, slots, slot_ok, earlier, k_lo + c, k_hi, length, NEW, K_BITS,
                           K_GROUP, K_FAST, K_EXACT, K_CHANNEL, K_OUTLIERS, K_CHUNK, BLOCK_S, DTYPE,
-                          K_BLOCK_RANK % K_CHUNK == 0)
+                          K_BLOCK_RANK % K_CHUNK == 0, K_STORED)
         rows = k_lo + c + tl.arange(0, K_CHUNK)
         up_at = up_k_ptr + rows[:, None] * up_k_sr + col[None, :]
         key1 = _mm(latent, tl.load(up_at, mask=(rows < k_hi)[:, None], other=0.0), key1, DOT_DTYPE, IEEE)
@@ -86,7 +88,7 @@ def rebuild_kernel(
     for c in range(0, V_BLOCK_RANK, V_CHUNK):
         values = _latents(v_cache, v_new, b, t0, slots, slot_ok, earlier, v_lo + c, v_lo + V_BLOCK_RANK, length, NEW,
                           V_BITS, V_GROUP, V_FAST, V_EXACT, V_CHANNEL, V_OUTLIERS, V_CHUNK, BLOCK_S, DTYPE,
-                          V_BLOCK_RANK % V_CHUNK == 0)
+                          V_BLOCK_RANK % V_CHUNK == 0, V_STORED)
         ch = c + tl.arange(0, V_CHUNK)
         values_at = values_ptr + b64 * values_sb + h * values_sh + slots.to(tl.int64)[:, None] * values_ss + ch[None, :]
         tl.store(values_at, values, mask=slot_ok[:, None] & (ch < V_BLOCK_RANK)[None, :])

@@ -290,12 +290,45 @@ def gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0
 
 
 @triton.jit
+def stored_block(side, b, ch0, BITS: tl.constexpr, GROUP: tl.constexpr, STORED: tl.constexpr):
+    """(codes' offset, scales' offset, bytes before) of row b's stored block that holds channel ch0. STORED: a
+    block's latent channels where the side is stored by blocks (`quantize.by_blocks`), each offset then moved back by
+    the blocks before it (their bytes of codes, their groups) so that the block's channels are read at their own
+    numbers, as in a row, and bytes before: what a mask against the block's width in bytes must add to it; 0 for
+    rows, whose offsets are the row's alone. A compile-time choice: rows compile as before blocks existed (with a
+    block offset that was 0 at run time, the 3-bit float16 path of packed_tile read wrong values on an H200, Triton
+    3.6), and the blocks' offsets keep the alignment their constant widths give."""
+    _, lat_sb, _, lat_sk, _, _, sz_sb, _, sz_sk, _, _, _, _, _, _ = side  # see latent_tile
+    if STORED:
+        BYTES: tl.constexpr = STORED * BITS // 8
+        GROUPS: tl.constexpr = STORED // GROUP
+        block = ch0 // STORED
+        codes_at = b * lat_sb + block * (lat_sk - BYTES)
+        scale_at = b * sz_sb + block * (sz_sk - GROUPS)
+        before = block * BYTES
+    else:
+        codes_at = b * lat_sb
+        scale_at = b * sz_sb
+        before = 0
+    return codes_at, scale_at, before
+
+
+@triton.jit
+def packed_scales_at(side, b, slots, slot_ok, ch0, ch_hi, GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                     EVEN: tl.constexpr, STORED: tl.constexpr):
+    """packed_scales of one side's channels ch0.. below ch_hi at `slots` of row b (see latent_tile)."""
+    _, _, _, _, scale_ptr, zero_ptr, _, sz_ss, _, _, _, _, _, _, _ = side
+    _, scale_at, _ = stored_block(side, b, ch0, 1, GROUP, STORED)
+    return packed_scales(scale_ptr, zero_ptr, scale_at + slots * sz_ss, slot_ok, ch0, ch_hi, GROUP, CHUNK, EVEN)
+
+
+@triton.jit
 def _read_tile(side, b, first, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.constexpr, GROUP: tl.constexpr,
                FAST: tl.constexpr, CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr,
-               BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None,
-               zero=None, desc=None):
+               BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr,
+               STORED: tl.constexpr, scale=None, zero=None, desc=None):
     """The cache's latents [BLOCK_S, CHUNK] of `slots` (columns `ch`) in DTYPE: 16-bit, or codes dequantized."""
-    lat_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss, _, _, _, width, _, _ = side  # see latent_tile
+    lat_ptr, lat_sb, lat_ss, _, scale_ptr, zero_ptr, _, sz_ss, _, _, _, _, width, _, _ = side  # see latent_tile
     if desc is not None:  # a whole tile of 16-bit latents, by the tensor memory accelerator (see latent_tile)
         values = tl.reshape(desc.load([b, first, ch0]), (BLOCK_S, CHUNK)).to(DTYPE)
     elif BITS == 16:
@@ -304,16 +337,19 @@ def _read_tile(side, b, first, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.c
             values = tl.load(at, mask=slot_ok[:, None], other=0.0).to(DTYPE)
         else:
             values = tl.load(at, mask=slot_ok[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
-    elif PACKED:
-        values = packed_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
-                             slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, EVEN, scale, zero)
-    elif FAST:
-        values = grouped_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, b * sz_sb + slots * sz_ss,
-                               slot_ok, ch0, ch_hi, width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE, EVEN)
-    else:
-        scale_rows = b * sz_sb + (slots // GROUP if CHANNEL else slots) * sz_ss
-        values = gathered_tile(lat_ptr + b * lat_sb, slots * lat_ss, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0,
-                                ch_hi, width, BITS, GROUP, CHANNEL, OUTLIERS, CHUNK).to(DTYPE)
+    else:  # codes: from their stored block (a tile's all lie in one: _side)
+        codes_at, scale_at, before = stored_block(side, b, ch0, BITS, GROUP, STORED)
+        codes_ptr, rows = lat_ptr + codes_at, slots * lat_ss
+        if PACKED:  # the row's width: packed_tile reads it only at 3 bits in chunks below 128, never stored by blocks
+            values = packed_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_at + slots * sz_ss, slot_ok, ch0, ch_hi,
+                                 width, BITS, GROUP, CHUNK, BLOCK_S, EVEN, scale, zero)
+        elif FAST:
+            values = grouped_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_at + slots * sz_ss, slot_ok, ch0,
+                                  ch_hi, before + width, BITS, GROUP, CHUNK, BLOCK_S, DTYPE, EVEN)
+        else:
+            scale_rows = scale_at + (slots // GROUP if CHANNEL else slots) * sz_ss
+            values = gathered_tile(codes_ptr, rows, scale_ptr, zero_ptr, scale_rows, slot_ok, ch0, ch_hi,
+                                   before + width, BITS, GROUP, CHANNEL, OUTLIERS, CHUNK).to(DTYPE)
     return values
 
 
@@ -321,12 +357,15 @@ def _read_tile(side, b, first, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS: tl.c
 def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
                 BITS: tl.constexpr, GROUP: tl.constexpr, FAST: tl.constexpr, EXACT: tl.constexpr,
                 CHANNEL: tl.constexpr, OUTLIERS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
-                DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, scale=None, zero=None, desc=None):
+                DTYPE: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr, STORED: tl.constexpr, scale=None,
+                zero=None, desc=None):
     """One side's latents [BLOCK_S, CHUNK] (channels ch0.. below ch_hi) of earlier steps' `slots` in DTYPE, as the
     reference reads them: dequantized codes, or the exact copy where the cache holds one.
-    side: one side of the cache as the kernels bundle their arguments: (latents, their batch and slot strides,
-    scales, zero points, their batch and slot strides, exact copies, their batch and slot strides, a slot's width
-    in bytes of codes or channels, sinks, window).
+    side: one side of the cache as the kernels bundle their arguments: (latents, their batch, slot and block
+    strides, scales, zero points, their batch, slot and block strides, exact copies, their batch and slot strides,
+    the width of a slot's stored block in bytes of codes or channels, sinks, window). STORED: a block's latent
+    channels where codes are stored by blocks (`quantize.by_blocks`), read from the block that holds ch0, which holds
+    the whole chunk (stored_block); 0 for rows (block strides unused).
     FAST: ch0 starts a whole byte (3-byte word for 3 bits) and GROUP divides it (see grouped_tile). PACKED: float16
     latents from int32 words (packed_tile), columns in packed_order; scale, zero: its groups' scales and zero
     points where the caller loaded them ahead (packed_scales). EVEN: every channel of the chunk is below
@@ -342,9 +381,9 @@ def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
         ch = ch0 + tl.arange(0, CHUNK)
     ch_ok = (ch >= 0) if EVEN else (ch < ch_hi)
     values = _read_tile(side, b, first, slots, slot_ok, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST, CHANNEL, OUTLIERS,
-                        CHUNK, BLOCK_S, DTYPE, EVEN, PACKED, scale, zero, desc)
+                        CHUNK, BLOCK_S, DTYPE, EVEN, PACKED, STORED, scale, zero, desc)
     if EXACT:
-        _, _, _, _, _, _, _, exact_ptr, ex_sb, ex_ss, _, sinks, window = side
+        _, _, _, _, _, _, _, _, _, exact_ptr, ex_sb, ex_ss, _, sinks, window = side
         if (first < sinks) | (first + BLOCK_S > length - 1 - window):
             in_window = slots >= length - window  # never below length - 1 when window is 0
             held = slot_ok & (slots < length - 1) & ((slots < sinks) | in_window)
@@ -352,6 +391,6 @@ def latent_tile(side, b, first, slots, slot_ok, ch0, ch_hi, length,
             at = exact_ptr + b * ex_sb + entry[:, None] * ex_ss + ch[None, :]
             exact = tl.load(at, mask=held[:, None] & ch_ok[None, :], other=0.0).to(DTYPE)
             coded = _read_tile(side, b, first, slots, slot_ok & ~held, ch, ch_ok, ch0, ch_hi, BITS, GROUP, FAST,
-                               CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED)
+                               CHANNEL, OUTLIERS, CHUNK, BLOCK_S, DTYPE, EVEN, PACKED, STORED)
             values = tl.where(held[:, None], exact, coded)
     return values

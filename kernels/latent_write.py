@@ -24,12 +24,14 @@ def _round_half_even(x):
 
 
 @triton.jit
-def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, scale_ptr, zero_ptr, sz_sb, sz_ss,
-                        exact_ptr, ex_sb, ex_ss, length_ptr, tokens, capacity, sinks, window,
-                        pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st,
+def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, lat_sk, scale_ptr, zero_ptr, sz_sb,
+                        sz_ss, sz_sk, exact_ptr, ex_sb, ex_ss, length_ptr, tokens, capacity,
+                        sinks, window, pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st,
                         RANK: tl.constexpr, RUNS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                        HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
-    """Token t of row b: sequence index length + t, slot index % capacity. RUNS: a power of two >= RANK / 8."""
+                        STORED: tl.constexpr, HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
+    """Token t of row b: sequence index length + t, slot index % capacity. RUNS: a power of two >= RANK / 8. Codes
+    stored by blocks (`quantize.by_blocks`, STORED: a block's channels) go to the block that holds them, lat_sk and
+    sz_sk apart; STORED 0: rows (as latent_tiles.stored_block, a compile-time choice)."""
     b, t = tl.program_id(0), tl.program_id(1)
     index = tl.load(length_ptr).to(tl.int32) + t
     slot = index % capacity
@@ -43,6 +45,10 @@ def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, sca
         RUNS_PER_GROUP: tl.constexpr = GROUP // 8
         LEVELS: tl.constexpr = (1 << BITS) - 1
         GROUPS: tl.constexpr = RUNS // RUNS_PER_GROUP
+        # a stored block's scales and bytes where codes are stored by blocks (out of the loop below: Triton 3.6
+        # refuses a constexpr assigned in each pass of a static_range)
+        BLOCK_GROUPS: tl.constexpr = STORED // GROUP
+        BLOCK_BYTES: tl.constexpr = STORED * BITS // 8
         value = new.to(tl.float32)
         grouped = tl.reshape(value, (GROUPS, RUNS_PER_GROUP * 8))
         # padded runs past RANK form whole groups of their own (RANK is a multiple of GROUP): they are not stored
@@ -52,6 +58,8 @@ def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, sca
         zero = low.to(tl.float16)
         group = tl.arange(0, GROUPS)
         row = b * sz_sb + slot * sz_ss + group
+        if STORED:
+            row += (group // BLOCK_GROUPS) * (sz_sk - BLOCK_GROUPS)
         tl.store(scale_ptr + row, scale, mask=group * GROUP < RANK)
         tl.store(zero_ptr + row, zero, mask=group * GROUP < RANK)
         step = tl.maximum(scale.to(tl.float32), 2.0 ** -24)[:, None]  # a constant group gets code 0
@@ -63,8 +71,10 @@ def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, sca
         stored = tl.arange(0, RUNS) * 8 < RANK
         for byte in tl.static_range(BITS):
             place = tl.arange(0, RUNS) * BITS + byte
-            if BITS == 3:  # where three_bit_order stores the stream's byte
+            if BITS == 3:  # where three_bit_order stores the stream's byte (within its block, where stored apart)
                 place = three_bit_byte(place, RANK * 3 // 8)
+            if STORED:
+                place += (place // BLOCK_BYTES) * (lat_sk - BLOCK_BYTES)
             tl.store(at + place, ((word >> (8 * byte)) & 255).to(tl.uint8), mask=stored)
     if HAS_EXACT:
         copy = new.to(exact_ptr.dtype.element_ty)

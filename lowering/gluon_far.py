@@ -117,16 +117,16 @@ def reference_far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scal
                           sinks, splits, row_splits, part_max, part_sum, part_acc, kv_heads, group, attn_mask=None):
     """`far_splits` in torch, from the dequantized cache (its oracle, and its stand-in on a CPU, where Gluon kernels
     do not run: the decode launcher's far-loop path is tested there with it). Reads far_hi on the host."""
-    from .quantize import dequantize
+    from .quantize import dequantize, rows_of
 
     latent = torch.empty(queries.shape[0], group, RANK_K, device=queries.device)
     latent[..., key_order(queries.device)] = queries[:, :group].float()
     acc, flat_max, flat_sum = part_acc.view(-1, RANK_V), part_max.view(-1), part_sum.view(-1)
     firsts = far_hi.view(-1, kv_heads).amin(1).tolist()
     for b, end in enumerate(first // BLOCK * BLOCK for first in firsts):
-        keys = dequantize(latent_k[b, :end], k_scale[b, :end], k_zero[b, :end], 4, GROUP).view(end, kv_heads, RANK_K)
-        values = dequantize(latent_v[b, :end], v_scale[b, :end], v_zero[b, :end], 3, GROUP).view(end, kv_heads,
-                                                                                                 RANK_V)
+        keys = dequantize(*(rows_of(side[b, :end]) for side in (latent_k, k_scale, k_zero)), 4, GROUP)
+        values = dequantize(*(rows_of(side[b, :end]) for side in (latent_v, v_scale, v_zero)), 3, GROUP)
+        keys, values = keys.view(end, kv_heads, RANK_K), values.view(end, kv_heads, RANK_V)
         if sinks and end:
             keys[:sinks] = k_exact[b, :sinks].float().view(sinks, kv_heads, RANK_K)
             values[:sinks] = v_exact[b, :sinks].float().view(sinks, kv_heads, RANK_V)

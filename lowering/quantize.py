@@ -24,6 +24,13 @@ and cache slot s:
   then a ring of the most recent `window` slots, slot s at entry sinks + s % window. Every slot also has its
   quantized codes; a reader takes the exact copy where one is held. Empty when the layout keeps none.
 16-bit sides are not quantized: latents are stored in the model's dtype; scale, zero and exact are empty.
+Head-major storage (`by_blocks`): where a quantized side's factor is block diagonal (head- or group-wise) and each
+block's codes and scales fill whole bytes and whole groups of their own (`blocks_apart`), `LatentCache` stores codes,
+scales and zero points by block, [max_batch, blocks, slots, per block], so each KV head's slots lie in one run, and
+hands the ops the view [max_batch, slots, blocks, per block]: the same bytes as the row of one slot, block by block
+(each block's codes packed on their own equal its share of the row there). Every op reads a side's codes as either
+[max_batch, slots, width] or that view (`rows_of` for the reference's reads); exact copies stay [max_batch,
+sinks + window, rank].
 Beside the sides, the cache holds one int32 [max_batch, slots] buffer of each slot's position, from which
 RoPE is computed when keys are rebuilt (no per-slot cos/sin rows are stored).
 """
@@ -69,6 +76,31 @@ def _stored_order(width: int, device) -> torch.Tensor:
 @functools.cache
 def _cpu_three_bit_order(width: int) -> torch.Tensor:
     return three_bit_order(width)
+
+
+def blocks_apart(bits: int, group: int, axis: str, outliers: int, block_rank: int) -> bool:
+    """Whether a quantized side's blocks of `block_rank` latent channels can be stored apart (head-major): per-token
+    scales whose groups divide the block, no outlier channels, and codes whose bytes split at the blocks' bounds,
+    which at 3 bits needs whole units of `three_bit_order` (128 channels) per block."""
+    return (bits != 16 and axis == "token" and not outliers and block_rank % group == 0
+            and block_rank * bits % 8 == 0 and (bits != 3 or block_rank % 128 == 0))
+
+
+def by_blocks(rows: int, slots: int, blocks: int, per_block: int, dtype, device) -> torch.Tensor:
+    """Zeros stored head-major, [rows, blocks, slots, per_block], as the ops read them: the view [rows, slots,
+    blocks, per_block]."""
+    return torch.zeros(rows, blocks, slots, per_block, dtype=dtype, device=device).transpose(1, 2)
+
+
+def rows_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A side's codes, scales or zero points as rows [..., slots, width] (a copy where they are stored by blocks)."""
+    return tensor.flatten(-2) if tensor.dim() == 4 else tensor
+
+
+def like_stored(new: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """Rows [..., width] of codes, scales or zero points shaped as `stored` holds them: split into its blocks where it
+    is stored by blocks."""
+    return new.unflatten(-1, stored.shape[-2:]) if stored.dim() == 4 else new
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

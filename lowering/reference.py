@@ -44,9 +44,9 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
     window = exact.shape[1] - sinks if exact.numel() else 0
     if axis == "token":
         codes, new_scale, new_zero = quantize.quantize(new[:, -capacity:], bits, group, axis, outliers)
-        latent[:batch].index_copy_(1, slots, codes)
-        scale[:batch].index_copy_(1, slots, new_scale.to(scale.dtype))
-        zero[:batch].index_copy_(1, slots, new_zero.to(zero.dtype))
+        latent[:batch].index_copy_(1, slots, quantize.like_stored(codes, latent))
+        scale[:batch].index_copy_(1, slots, quantize.like_stored(new_scale.to(scale.dtype), scale))
+        zero[:batch].index_copy_(1, slots, quantize.like_stored(new_zero.to(zero.dtype), zero))
     elif len(indices) == 1:  # decode: the token's block, quantized every step, kept where the token completes it
         start = indices[0]
         block = start - start % group + torch.arange(group, device=new.device)
@@ -119,7 +119,8 @@ def read_ring(latent, scale, zero, exact, bits, group, sinks, axis, outliers, ne
     indices = ring_indices(start, ring, new.device)
     if bits == 16:
         return latent[:batch].float(), indices
-    values = quantize.dequantize(latent[:batch], scale[:batch], zero[:batch], bits, group, axis, outliers)
+    values = quantize.dequantize(quantize.rows_of(latent[:batch]), quantize.rows_of(scale[:batch]),
+                                 quantize.rows_of(zero[:batch]), bits, group, axis, outliers)
     window = exact.shape[1] - sinks if exact.numel() else 0
     if axis == "channel":
         first, end = start - start % group, (start + tokens) // group * group
@@ -144,8 +145,8 @@ def read_latents(latent, scale, zero, exact, bits, group, sinks, axis, outliers,
     if bits == 16:
         return latent[:batch, :slots].float()
     rows = -(-slots // group) if axis == "channel" else slots
-    values = quantize.dequantize(latent[:batch, :slots], scale[:batch, :rows], zero[:batch, :rows], bits, group, axis,
-                                 outliers)
+    values = quantize.dequantize(quantize.rows_of(latent[:batch, :slots]), quantize.rows_of(scale[:batch, :rows]),
+                                 quantize.rows_of(zero[:batch, :rows]), bits, group, axis, outliers)
     if exact.numel():
         window = exact.shape[1] - sinks
         count = min(sinks, slots)

@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lrkv_compile.errors import SharedLatentsWarning
 from lrkv_compile.kernels import latent_decode
-from . import gluon_far, reference
+from . import gluon_far, quantize, reference
 from .launch import launch as launch_kernel
 
 BITS = (16, 8, 4, 3, 2)
@@ -224,17 +224,32 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     block_rank = rank // blocks
     chunk = channel_chunk(block_rank)
     dummy = latent
+    # stored: the blocks the cache stores apart (`quantize.by_blocks`: head-major), the factor's, or 1 for rows; a
+    # kernel reads block ch // STORED of them (STORED: a block's channels, 0 for rows, a compile-time choice), `sk`
+    # (codes) and `sz_sk` (scales and zero points) apart, through pointers moved back by the blocks before it
+    # (latent_tiles.stored_block)
+    stored = latent.shape[2] if latent.dim() == 4 else 1
     side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new.reshape(new.shape[0], rank).contiguous(),
-                width=rank, sinks=0, window=0, BITS=bits, GROUP=1, FAST=False, EXACT=False, CHANNEL=False,
-                OUTLIERS=0, PACKED=False, PACKS=False, BLOCK_RANK=block_rank, CHUNK=chunk)
+                width=rank, sinks=0, window=0, sk=0, sz_sk=0, STORED=0, BITS=bits, GROUP=1, FAST=False,
+                EXACT=False, CHANNEL=False, OUTLIERS=0, PACKED=False, PACKS=False, BLOCK_RANK=block_rank, CHUNK=chunk)
     if latent.stride(-1) != 1:
         raise NotImplementedError(f"latent_{name} has a non-contiguous last axis")
     if bits == 16:
-        if not latent.is_floating_point():
-            raise NotImplementedError(f"{name}_bits=16 needs floating-point latents, got {latent.dtype}")
+        if not latent.is_floating_point() or latent.dim() != 3:
+            raise NotImplementedError(f"{name}_bits=16 needs floating-point latents [batch, slots, rank], got "
+                                      f"{latent.dtype} {tuple(latent.shape)}")
         return side
     if latent.dtype != torch.uint8 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
         raise NotImplementedError(f"{name}: packed codes must be uint8 with contiguous scales and zero points")
+    if stored > 1 and (stored != blocks or not quantize.blocks_apart(bits, group, axis, outliers, block_rank)
+                       or scale.dim() != 4 or zero.dim() != 4 or scale.shape[2] != stored
+                       or zero.stride() != scale.stride()):
+        raise NotImplementedError(f"{name}: codes stored in {stored} blocks for a factor of {blocks}, with scales "
+                                  f"{tuple(scale.shape)} and zero points {tuple(zero.shape)}: expected the factor's "
+                                  "blocks, each with its scales (zero points laid out as the scales) and whole bytes "
+                                  "of codes (`quantize.blocks_apart`)")
+    if stored > 1:
+        side.update(sk=latent.stride(2), sz_sk=scale.stride(2), STORED=block_rank)
     channel = axis == "channel"  # a scale per channel and block of `group` slots (KIVI's keys)
     if not 0 <= outliers < rank:
         raise NotImplementedError(f"{name}_outliers={outliers} for rank {rank}")
@@ -245,12 +260,14 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     # whole groups of whole bytes (3-byte words of 8 codes at 3 bits) per block: contiguous loads (grouped_tile)
     fast = (not channel and not outliers and group & (group - 1) == 0 and group <= chunk and block_rank % group == 0
             and (group * bits) % (24 if bits == 3 else 8) == 0)
-    # whole int32 words per group (8 codes at 4 bits, 32 in three words at 3) on 4-byte aligned rows; at 3 bits
+    # whole int32 words per group (8 codes at 4 bits, 32 in three words at 3) on 4-byte aligned rows (and stored
+    # blocks: their pointer moves back by whole blocks, latent_tiles.stored_block); at 3 bits
     # each chunk starts a multiple of its size in (and the rank is a multiple of it), so its blocks lie in one unit
     # of `quantize.three_bit_order` (packed_tile)
     packs = (fast and bits in (3, 4) and group % (8 if bits == 4 else 32) == 0 and chunk % 32 == 0
              and (bits == 4 or block_rank % chunk == 0)
-             and latent.stride(0) % 4 == 0 and latent.stride(1) % 4 == 0 and latent.data_ptr() % 4 == 0)
+             and all(stride % 4 == 0 for stride in latent.stride()[:-1]) and latent.data_ptr() % 4 == 0
+             and (stored == 1 or latent.shape[-1] % 4 == 0))
     side.update(scale=scale, zero=zero, width=latent.shape[-1], GROUP=group, FAST=fast, CHANNEL=channel,
                 OUTLIERS=outliers, PACKED=halves and packs, PACKS=packs, CHUNK=chunk)
     if exact.numel():
@@ -258,6 +275,19 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
             raise NotImplementedError(f"{name}_exact has a non-contiguous last axis")
         side.update(exact=exact, sinks=sinks, window=exact.shape[1] - sinks, EXACT=True)
     return side
+
+
+def side_arguments(side: dict) -> tuple:
+    """A side's cache tensors and strides as the kernels take them (`latent_tiles.latent_tile`'s side before its
+    widths): latents with their batch, slot and block strides, scales and zero points with theirs, exact copies."""
+    latent, scale, exact = side["latent"], side["scale"], side["exact"]
+    return (latent, latent.stride(0), latent.stride(1), side["sk"], scale, side["zero"], scale.stride(0),
+            scale.stride(1), side["sz_sk"], exact, exact.stride(0), exact.stride(1))
+
+
+def side_widths(side: dict) -> tuple:
+    """The rest of a side as the kernels take it: a stored block's width, sinks, window."""
+    return side["width"], side["sinks"], side["window"]
 
 
 def _tma_able(side: dict, interpret: bool) -> bool:
@@ -411,7 +441,7 @@ def far_loop_able(*, config, interpret, windowed, query, attn_mask, bias_k, num_
     budget plan's latents (per KV head 4-bit keys of rank 64 and 3-bit values of rank 128, groups of 32 per token, no
     outliers, the same sinks on both sides, 16 at most: its first 16-slot group), float16, head-wise factors, no mask
     or the boolean mask [rows or 1, 1, 1, slots] transformers builds for SDPA, no key bias, 64-slot tiles (the far
-    loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80."""
+    loop's), at most 64 KV heads, on an NVIDIA GPU from sm_80; codes as rows or stored by KV head."""
     return (not interpret and windowed and _gluon() and _mma_sync(query.device) and query.dtype == torch.float16
             and gluon_far.reads_mask(attn_mask, query.shape[0])
             and config.block_s == gluon_far.BLOCK and num_kv_heads <= 64
@@ -420,7 +450,8 @@ def far_loop_able(*, config, interpret, windowed, query, attn_mask, bias_k, num_
             and values["BLOCK_RANK"] == gluon_far.RANK_V and (k_bits, v_bits) == (4, 3)
             and k_group == v_group == gluon_far.GROUP and k_axis == v_axis == "token"
             and k_outliers == v_outliers == 0 and k_sinks == v_sinks and k_sinks <= 16
-            and (not k_sinks or (keys["EXACT"] and values["EXACT"])))
+            and (not k_sinks or (keys["EXACT"] and values["EXACT"]))
+            and all(side["latent"].dim() == 3 or side["latent"].shape[2] == num_kv_heads for side in (keys, values)))
 
 
 def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_scale, k_zero, k_exact, latent_v,
@@ -473,17 +504,13 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     def arguments(splits, part_acc, part_max, part_sum, block_s, start=None):
         return (
             query, query.stride(0), query.stride(1),
-            k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"], k["scale"].stride(0),
-            k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1), k["new"],
-            k["new"].stride(0),
-            v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"], v["scale"].stride(0),
-            v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1), v["new"],
-            v["new"].stride(0),
+            *side_arguments(k), k["new"], k["new"].stride(0),
+            *side_arguments(v), v["new"], v["new"].stride(0),
             positions, positions.stride(0), up, up.stride(0),
             bias_k.float().contiguous() if bias_k is not None else query,
             inv_freq.float().contiguous() if rope else query, mask, mask_sb, mask_ss, length, far, far_bias,
             part_acc, part_max, part_sum,
-            qk_scale, splits, k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"],
+            qk_scale, splits, *side_widths(k), *side_widths(v),
             int(rope_window) if windowed else 0,
             tile_descriptor(k, block_s) if tma[0] else None, tile_descriptor(v, block_s) if tma[1] else None,
             start, far_splits)
@@ -492,10 +519,10 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
         KV_HEADS=num_kv_heads, GROUP_HEADS=group, G_PAD=g_pad, HEAD_DIM=head_dim,
         K_HEADS_PER_BLOCK=num_kv_heads // k_blocks, K_BLOCK_RANK=k["BLOCK_RANK"], K_CHUNK=k["CHUNK"],
         K_BITS=k["BITS"], K_GROUP=k["GROUP"], K_FAST=k["FAST"], K_EXACT=k["EXACT"], K_CHANNEL=k["CHANNEL"],
-        K_OUTLIERS=k["OUTLIERS"], K_PACKED=k["PACKED"],
+        K_OUTLIERS=k["OUTLIERS"], K_PACKED=k["PACKED"], K_STORED=k["STORED"],
         V_HEADS_PER_BLOCK=num_kv_heads // v_blocks, V_BLOCK_RANK=v_range, V_CHUNK=v["CHUNK"],
         V_BITS=v["BITS"], V_GROUP=v["GROUP"], V_FAST=v["FAST"], V_EXACT=v["EXACT"], V_CHANNEL=v["CHANNEL"],
-        V_OUTLIERS=v["OUTLIERS"], V_PACKED=v["PACKED"],
+        V_OUTLIERS=v["OUTLIERS"], V_PACKED=v["PACKED"], V_STORED=v["STORED"],
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, MASK_KIND=mask_kind,
         EXACT_ANGLES=query.dtype == torch.float32, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16

@@ -36,7 +36,8 @@ import triton.language as tl
 
 from lrkv_compile.kernels import latent_prefill, latent_rebuild
 from . import reference
-from .triton_decode import BITS, DTYPES, _side, check_inputs, diagonal_blocks, project_values
+from .triton_decode import (BITS, DTYPES, _side, check_inputs, diagonal_blocks, project_values, side_arguments,
+                            side_widths)
 
 LONGEST_BUCKET = 1024  # the autotuner tunes once per power of two of the new tokens up to this, once for all longer
 # chunks of at least this many tokens take the rebuild path (`choose_path`): with quantized latents, and with 16-bit
@@ -173,12 +174,8 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
     rope = inv_freq is not None
     window = int(rope_window) if rope else 0  # windowed RoPE's window (0: exact RoPE)
     k, v = keys, values
-    cache_args = (k["latent"], k["latent"].stride(0), k["latent"].stride(1), k["scale"], k["zero"],
-                  k["scale"].stride(0), k["scale"].stride(1), k["exact"], k["exact"].stride(0), k["exact"].stride(1),
-                  new_k, new_k.stride(0), new_k.stride(1),
-                  v["latent"], v["latent"].stride(0), v["latent"].stride(1), v["scale"], v["zero"],
-                  v["scale"].stride(0), v["scale"].stride(1), v["exact"], v["exact"].stride(0), v["exact"].stride(1),
-                  new_v, new_v.stride(0), new_v.stride(1),
+    cache_args = (*side_arguments(k), new_k, new_k.stride(0), new_k.stride(1),
+                  *side_arguments(v), new_v, new_v.stride(0), new_v.stride(1),
                   positions, positions.stride(0), up, up.stride(0),
                   bias_k.float().contiguous() if bias_k is not None else query,
                   inv_freq.float().contiguous() if rope else query)
@@ -186,14 +183,14 @@ def prefill_attention_with(path, *, query, latent_k, k_scale, k_zero, k_exact, l
         KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         K_HEADS_PER_BLOCK=num_kv_heads // k_blocks, K_BLOCK_RANK=k["BLOCK_RANK"], K_CHUNK=k["CHUNK"],
         K_BITS=k_bits, K_GROUP=k["GROUP"], K_FAST=k["FAST"], K_EXACT=k["EXACT"], K_CHANNEL=k["CHANNEL"],
-        K_OUTLIERS=k["OUTLIERS"],
+        K_OUTLIERS=k["OUTLIERS"], K_STORED=k["STORED"],
         V_HEADS_PER_BLOCK=num_kv_heads // v_blocks, V_BLOCK_RANK=v_range, V_CHUNK=v["CHUNK"],
         V_BITS=v_bits, V_GROUP=v["GROUP"], V_FAST=v["FAST"], V_EXACT=v["EXACT"], V_CHANNEL=v["CHANNEL"],
-        V_OUTLIERS=v["OUTLIERS"],
+        V_OUTLIERS=v["OUTLIERS"], V_STORED=v["STORED"],
         HAS_ROPE=rope, HAS_BIAS=bias_k is not None, FAST_MATH=not interpret, DTYPE=DTYPES[query.dtype],
         DOT_DTYPE=tl.float32 if interpret else DTYPES[query.dtype],  # the interpreter's dot misreads bf16
         IEEE=query.dtype == torch.float32)
-    widths = (k["width"], k["sinks"], k["window"], v["width"], v["sinks"], v["window"])  # the kernels' cache sides
+    widths = (*side_widths(k), *side_widths(v))  # the kernels' cache sides
     scale = softmax_scale * (rope_scale if rope else 1.0)  # RoPE's scale multiplies every key
     forced = path is not None
     if path is None:

@@ -15,7 +15,7 @@ from .launch import launch
 from .reference import _check_room
 
 
-def _side_constants(name, latent, new, bits, group, axis, outliers):
+def _side_constants(name, latent, scale, zero, new, bits, group, axis, outliers):
     """The kernel's constants for one side, or NotImplementedError for a layout it does not write."""
     rank = new.shape[-1]
     runs = triton.next_power_of_2(max(1, -(-rank // 8)))
@@ -29,6 +29,11 @@ def _side_constants(name, latent, new, bits, group, axis, outliers):
                                       "power of two channels, at least 8, that divide the rank")
     if latent.stride(-1) != 1 or new.stride(-1) != 1:
         raise NotImplementedError(f"latent_{name} or new_{name} has a non-contiguous last axis")
+    if latent.dim() == 4 and (bits == 16 or scale.dim() != 4 or scale.shape[2] != latent.shape[2]
+                              or scale.stride() != zero.stride()):
+        raise NotImplementedError(f"latent_{name} stored in {latent.shape[2]} blocks with scales "
+                                  f"{tuple(scale.shape)}: the Triton write takes quantized blocks, each with its "
+                                  "scales, zero points laid out as the scales")
     return dict(RANK=rank, RUNS=runs, BITS=bits, GROUP=group if bits != 16 else 8)
 
 
@@ -44,8 +49,8 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
     batch, tokens = new_k.shape[0], new_k.shape[1]
     sides = [("k", latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers),
              ("v", latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers)]
-    constants = [_side_constants(name, latent, new, bits, group, axis, outliers)
-                 for name, latent, _, _, _, new, bits, group, _, axis, outliers in sides]
+    constants = [_side_constants(name, latent, scale, zero, new, bits, group, axis, outliers)
+                 for name, latent, scale, zero, _, new, bits, group, _, axis, outliers in sides]
     if any(tokens > side[1].shape[1] for side in sides):
         raise NotImplementedError(f"{tokens} tokens into a ring of fewer slots: the Triton write writes each token")
     length = torch.as_tensor(length, device=positions.device)
@@ -57,13 +62,16 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
         write_positions = name == "k" and new_positions is not None
         source = new_positions if write_positions else positions
         quantized = bits != 16
+        blocks = latent.shape[2] if latent.dim() == 4 else 1  # stored apart (`quantize.by_blocks`), or rows
         launch(kernels.latent_write_kernel, (batch, tokens), (
             new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
-            scale if quantized else latent, zero if quantized else latent,
+            latent.stride(2) if blocks > 1 else 0, scale if quantized else latent, zero if quantized else latent,
             scale.stride(0) if quantized else 0, scale.stride(1) if quantized else 0,
+            scale.stride(2) if blocks > 1 else 0,
             exact if exact.numel() else latent, exact.stride(0) if exact.numel() else 0,
             exact.stride(1) if exact.numel() else 0, length, tokens, latent.shape[1], sinks,
             exact.shape[1] - sinks if exact.numel() else 0,
             positions, positions.stride(0), source,
             source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
-            dict(**const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions))
+            dict(**const, STORED=latent.shape[-1] * 8 // bits if blocks > 1 else 0, HAS_EXACT=bool(exact.numel()),
+                 WRITE_POSITIONS=write_positions))

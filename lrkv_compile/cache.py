@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, StaticLayer
 
 from lrkv_compile.lowering import ops
-from lrkv_compile.lowering.quantize import exact_dtype
+from lrkv_compile.lowering.quantize import blocks_apart, by_blocks, exact_dtype
 from .errors import LrkvWarning, PlanMismatchError, UnrewrittenSiteError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
@@ -34,7 +34,8 @@ class LatentLayer(CacheLayerMixin):
 
     def __init__(self, k_buffers, v_buffers, positions, rope_rows, layer_idx):
         super().__init__()
-        self.keys, self.k_scale, self.k_zero, self.k_exact = k_buffers  # [max_batch, slots, rank | width]
+        # [max_batch, slots, rank | width], or [max_batch, slots, blocks, width / blocks] (`quantize.by_blocks`)
+        self.keys, self.k_scale, self.k_zero, self.k_exact = k_buffers
         self.values, self.v_scale, self.v_zero, self.v_exact = v_buffers
         self.positions = positions  # int32 [max_batch, max_cache_len], shared by all layers
         self.rope_rows = rope_rows  # [max_batch, max_cache_len, 2, rotary_dim] cos and sin (or empty), shared
@@ -55,11 +56,9 @@ class LatentLayer(CacheLayerMixin):
         """Beam search: reorder every buffer along the batch (the base class reorders keys and values only,
         which would read codes with another beam's scales)."""
         if self.get_seq_length() > 0:
-            for name in self._TENSORS:
-                tensor = getattr(self, name)
-                if tensor.numel():
-                    setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
-            _static(self.tensors())
+            for tensor in self.tensors():
+                if tensor.numel():  # in place: the layout (rows or by blocks) and the address stay
+                    tensor[:beam_idx.numel()].copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def reset(self) -> None:
         super().reset()
@@ -165,19 +164,25 @@ class LatentCache(Cache):
         rope_rows = torch.zeros(max_batch_size, max_cache_len, 2, width, dtype=dtype, device=device) if width \
             else torch.zeros(0, dtype=dtype, device=device)
 
-        def buffers(rank, layout, slots):
+        def buffers(rank, layout, slots, blocks):
             latents, groups = layout.stored_widths(rank)
             rows = layout.scale_rows(slots)
             quantized = layout.bits != 16
+            # a quantized side of a block-diagonal factor stored by blocks where it can be (head-major: each KV
+            # head's codes in one run, `quantize.by_blocks`), else as rows
+            apart = blocks > 1 and blocks_apart(layout.bits, layout.group, layout.axis, layout.outliers,
+                                                rank // blocks)
+
+            def stored(length, width, dtype):
+                if apart:
+                    return by_blocks(max_batch_size, length, blocks, width // blocks, dtype, device)
+                return torch.zeros(max_batch_size, length, width, dtype=dtype, device=device)
 
             def empty():  # one per buffer: the ops mutate them, so no two may alias
                 return torch.zeros(0, dtype=torch.float16, device=device)
-            return (torch.zeros(max_batch_size, slots, latents, device=device,
-                                dtype=torch.uint8 if quantized else dtype),
-                    torch.zeros(max_batch_size, rows, groups, dtype=torch.float16, device=device)
-                    if quantized else empty(),
-                    torch.zeros(max_batch_size, rows, groups, dtype=torch.float16, device=device)
-                    if quantized else empty(),
+            return (stored(slots, latents, torch.uint8 if quantized else dtype),
+                    stored(rows, groups, torch.float16) if quantized else empty(),
+                    stored(rows, groups, torch.float16) if quantized else empty(),
                     torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
                     if quantized and layout.exact_slots else empty())
 
@@ -191,8 +196,9 @@ class LatentCache(Cache):
                 layers.append(_stock_layer(config, max_batch_size, max_cache_len, dtype, device))
                 continue
             slots = min(max_cache_len, ring_slots(windows[index], site)) if windows[index] else max_cache_len
-            layers.append(LatentLayer(buffers(site.rank_k, site.k_layout, slots),
-                                      buffers(site.rank_v, site.v_layout, slots), positions, rope_rows, index))
+            layers.append(LatentLayer(buffers(site.rank_k, site.k_layout, slots, site.k_blocks),
+                                      buffers(site.rank_v, site.v_layout, slots, site.v_blocks), positions, rope_rows,
+                                      index))
         super().__init__(layers=layers)
         self.plan, self.dtype, self.positions, self.rope_rows = plan, dtype, positions, rope_rows
         self._capacity = (max_batch_size, max_cache_len)

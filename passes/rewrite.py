@@ -11,6 +11,7 @@ The factored form fake-quantizes every latent, the current step's included: a st
 the sink and window tokens a LatentCache keeps exact are quantized there too (the pessimistic side of the
 latent form's numbers).
 """
+import math
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -152,8 +153,10 @@ class _Rewriter:
             exact = cache[f"{side}_exact"].meta["example_value"]
             latents = cache[f"latent_{side}"].meta["example_value"]
             scale = cache[f"{side}_scale"].meta["example_value"]
-            held = (latents.shape[-1], scale.shape[-1], scale.shape[1] if scale.dim() == 3 else 0,
-                    exact.shape[1] if exact.dim() == 3 else 0)
+            # a side's rows [batch, slots, width], or the view [batch, slots, blocks, width / blocks] of the same
+            # bytes stored by blocks (`quantize.by_blocks`)
+            held = (math.prod(latents.shape[2:]), math.prod(scale.shape[2:]) if scale.dim() >= 3 else 0,
+                    scale.shape[1] if scale.dim() >= 3 else 0, exact.shape[1] if exact.dim() == 3 else 0)
             needed = (*layout.stored_widths(rank), layout.scale_rows(latents.shape[1]) if layout.bits != 16 else 0,
                       layout.exact_slots)
             if held != needed:

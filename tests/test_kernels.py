@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.errors import SharedLatentsWarning  # noqa: E402
 from lrkv_compile.kernels import latent_decode  # noqa: E402
 from lrkv_compile.lowering import reference, triton_decode, triton_prefill, triton_write  # noqa: E402
-from lrkv_compile.lowering.quantize import exact_dtype, packed_width  # noqa: E402
+from lrkv_compile.lowering.quantize import blocks_apart, by_blocks, exact_dtype, packed_width  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -32,28 +32,36 @@ def _factor(blocks, block_rank, kv_heads, head_dim, generator):
     return torch.block_diag(*parts)
 
 
-def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outliers, dtype):
+def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outliers, dtype, blocks=1):
+    """One side's cache buffers as LatentCache makes them: codes, scales and zero points stored by `blocks` blocks
+    (head-major, `quantize.by_blocks`) where the layout allows it (`quantize.blocks_apart`), else as rows."""
     if bits == 16:
         empty = torch.zeros(0, dtype=torch.float16)
         return [torch.zeros(batch, capacity, rank, dtype=dtype), empty, empty.clone(), empty.clone()]
     exact = torch.zeros(batch, sinks + window, rank, dtype=exact_dtype(dtype)) if sinks + window else \
         torch.zeros(0, dtype=torch.float16)
     coded = rank - outliers
+    width = 2 * outliers + packed_width(coded, bits)
+    if blocks > 1 and blocks_apart(bits, group, axis, outliers, rank // blocks):
+        return [by_blocks(batch, capacity, blocks, width // blocks, torch.uint8, "cpu"),
+                *(by_blocks(batch, capacity, blocks, coded // group // blocks, torch.float16, "cpu") for _ in "sz"),
+                exact]
     scales = (batch, capacity, coded // group) if axis == "token" else (batch, -(-capacity // group), coded)
-    return [torch.zeros(batch, capacity, 2 * outliers + packed_width(coded, bits), dtype=torch.uint8),
+    return [torch.zeros(batch, capacity, width, dtype=torch.uint8),
             torch.zeros(scales, dtype=torch.float16), torch.zeros(scales, dtype=torch.float16), exact]
 
 
 def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blocks, k_block_rank, v_block_rank,
                k_bits, v_bits, k_group, v_group, sinks, window, length, spare, chunks, mask, padding, blind_row,
                rope, bias, absorb, tokens=1, mask_shape="padding", k_axis="token", k_outliers=0, v_outliers=0,
-               start_position=0, rope_window=0, seed=0, pads=None):
+               start_position=0, rope_window=0, seed=0, pads=None, by_blocks=False):
     """Keyword arguments of latent_attention for a step of `tokens` new tokens (one: a decode step) ending `length`
     tokens: the earlier ones written by `reference.latent_write` in `chunks` writes, then the step's own write, as the
     cache does before attention. mask_shape: "padding" [batch, 1, 1, slots] (left padding only), "causal" [batch, 1,
     tokens, slots] (padding and causality, as transformers builds it), "per_head" [batch, heads, tokens, slots]
     (random columns per head and token). rope_window: windowed RoPE (with rope). pads: each row's left padding
-    (else drawn where padding is set)."""
+    (else drawn where padding is set). by_blocks: quantized sides stored by their factor's blocks where they can be
+    (`_side_buffers`)."""
     generator = torch.Generator().manual_seed(seed)
     heads = kv_heads * group_heads
     rank_k, rank_v = k_blocks * k_block_rank, v_blocks * v_block_rank
@@ -67,8 +75,10 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     if blind_row:
         visible[-1] = False
     positions_all = (visible.long().cumsum(-1) - 1).masked_fill(~visible, 1) + start_position
-    sides_k = _side_buffers(batch, capacity, rank_k, k_bits, k_group, sinks, window, k_axis, k_outliers, dtype)
-    sides_v = _side_buffers(batch, capacity, rank_v, v_bits, v_group, sinks, window, "token", v_outliers, dtype)
+    sides_k = _side_buffers(batch, capacity, rank_k, k_bits, k_group, sinks, window, k_axis, k_outliers, dtype,
+                            k_blocks if by_blocks else 1)
+    sides_v = _side_buffers(batch, capacity, rank_v, v_bits, v_group, sinks, window, "token", v_outliers, dtype,
+                            v_blocks if by_blocks else 1)
     layout = dict(k_bits=k_bits, k_group=k_group, k_sinks=sinks, k_axis=k_axis, k_outliers=k_outliers,
                   v_bits=v_bits, v_group=v_group, v_sinks=sinks, v_axis="token", v_outliers=v_outliers)
     positions = torch.zeros(batch, capacity, dtype=torch.int32)
@@ -121,7 +131,8 @@ def check(kwargs, config=None):
 def draw_layout(draw, kv_heads, k_block_ranks, v_block_ranks, groups):
     """The drawn cache layout of a kernel case (decode and prefill draw it alike): head / group / joint factors,
     every bit width, block ranks from the given lists, float16 outlier channels, per-token groups from `groups`
-    that divide the quantized channels, a window, per-channel keys, and the mask kind. Returns (fields of
+    that divide the quantized channels, a window, per-channel keys, codes stored by blocks or as rows, and the mask
+    kind. Returns (fields of
     build_case, whether a side is quantized, mask)."""
     scheme_k, scheme_v = draw(st.sampled_from(["head", "group", "joint"])), draw(st.sampled_from(["head", "joint"]))
     blocks = dict(head=kv_heads, group=max(1, kv_heads // 2), joint=1)
@@ -142,7 +153,8 @@ def draw_layout(draw, kv_heads, k_block_ranks, v_block_ranks, groups):
     mask = draw(st.sampled_from(["none", "bool", "additive"]))
     layout = dict(k_blocks=blocks[scheme_k], v_blocks=blocks[scheme_v], k_block_rank=k_block_rank,
                   v_block_rank=v_block_rank, k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group,
-                  window=window, k_axis=k_axis, k_outliers=k_outliers, v_outliers=v_outliers)
+                  window=window, k_axis=k_axis, k_outliers=k_outliers, v_outliers=v_outliers,
+                  by_blocks=quantized and draw(st.booleans()))
     return layout, quantized, mask
 
 
@@ -490,22 +502,49 @@ def test_sixteen_bit_keys_by_descriptors_beside_value_codes_with_exact_copies(k_
 
 @pytest.mark.parametrize("kv_heads, v_block_rank", [(2, 128), (3, 64), (3, 32)])
 @pytest.mark.parametrize("rope_window", [0, 100])
-def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads, v_block_rank):
+@pytest.mark.parametrize("by_blocks", [False, True])
+def test_the_budget_layout_in_float16_over_several_splits(rope_window, kv_heads, v_block_rank, by_blocks):
     """The budget plan's layout at its own ranks (4-bit keys of rank 64 and 3-bit values of rank 128 per head, groups
     of 32, sinks and a window of exact copies, left padding, several splits) in float16: on the GPU its codes are
     dequantized in float16 registers (PACKED) and the key scales read a tile ahead, paths the interpreter does not
     take. Values of rank 64 and 32 per head over three heads read chunks of two and one 32-code blocks of 3-bit
-    codes, in units of `three_bit_order` of four, two and three blocks."""
+    codes, in units of `three_bit_order` of four, two and three blocks. by_blocks: stored head-major as LatentCache
+    stores them (`quantize.by_blocks`: the keys, and the values of rank 128 a head; the others' 3-bit codes span
+    the heads' bounds and stay rows)."""
     kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "kv_heads": kv_heads, "k_blocks": kv_heads,
                            "v_blocks": kv_heads, "k_block_rank": 64, "v_block_rank": v_block_rank, "length": 700,
-                           "rope_window": rope_window, "start_position": 3000})
+                           "rope_window": rope_window, "start_position": 3000, "by_blocks": by_blocks})
+    assert kwargs["latent_k"].dim() == (4 if by_blocks else 3)
+    assert kwargs["latent_v"].dim() == (4 if by_blocks and v_block_rank == 128 else 3)
     check(kwargs)
 
 
-@pytest.mark.parametrize("near_slot, rope_window, pads, far_ends", [
-    (None, 100, None, [576, 576]), (200, 100, None, [192, 576]), (None, 4, None, [640, 640]),
-    (None, 100, [130, 0], [576, 576]), (None, 100, [520, 3], [576, 576])])
-def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_window, pads, far_ends, monkeypatch):
+@pytest.mark.parametrize("k_bits, v_bits, group, k_blocks, dtype", [
+    (8, 2, 8, 4, torch.bfloat16), (2, 8, 4, 2, torch.float32), (4, 4, 16, 4, torch.float16),
+    (8, 4, 8, 2, torch.float16)])
+@pytest.mark.parametrize("rope_window", [0, 20])
+def test_codes_stored_by_blocks_read_as_their_rows(k_bits, v_bits, group, k_blocks, dtype, rope_window):
+    """Codes, scales and zero points stored head-major (`quantize.by_blocks`: each KV head's slots in one run, as
+    LatentCache stores a head- or group-wise side) give the kernel the scores and values the same codes give as rows:
+    8-, 4- and 2-bit codes, head- and group-wise keys (4 and 2 blocks over 4 KV heads), sinks and a window of exact
+    copies, left padding, a tile of slots not whole."""
+    case = {**BASE, "dtype": dtype, "kv_heads": 4, "group_heads": 2, "k_blocks": k_blocks, "v_blocks": 4,
+            "k_block_rank": 32, "v_block_rank": 32, "k_bits": k_bits, "v_bits": v_bits, "k_group": group,
+            "v_group": group, "length": 90, "rope_window": rope_window}
+    kwargs = build_case(**case, by_blocks=True)
+    assert kwargs["latent_k"].dim() == kwargs["latent_v"].dim() == 4
+    rows = build_case(**case)
+    torch.testing.assert_close(reference.latent_attention(**kwargs), reference.latent_attention(**rows), rtol=0,
+                               atol=0)
+    check(kwargs)
+
+
+@pytest.mark.parametrize("near_slot, rope_window, pads, far_ends, by_blocks", [
+    (None, 100, None, [576, 576], False), (None, 100, None, [576, 576], True), (200, 100, None, [192, 576], False),
+    (None, 4, None, [640, 640], True), (None, 100, [130, 0], [576, 576], False),
+    (None, 100, [520, 3], [576, 576], True)])
+def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_window, pads, far_ends, by_blocks,
+                                                                monkeypatch):
     """Windowed RoPE over the budget plan's layout in float16: the slots before the window go through the Gluon far
     loop (`gluon_far.far_splits`; on CPU its torch stand-in, where Gluon kernels do not run), the rest through the
     decode kernel from the slot far_prep_kernel finds, both into one combine. 700 slots, positions from 3000: with a
@@ -514,7 +553,7 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
     the last slots (at 640). The codes of the slots with exact copies (4 sinks, the last 8) are junk: the reference
     reads the copies, and so must both kernels. pads: left padding under the boolean mask transformers builds for
     SDPA, in the model's decode steps (a row of 520 pads leaves the far loop's splits of it nothing to attend: their
-    maxima stay -inf)."""
+    maxima stay -inf). by_blocks: the codes stored head-major, as LatentCache stores them (`quantize.by_blocks`)."""
     from lrkv_compile.lowering import gluon_far
 
     taken = []
@@ -530,7 +569,9 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
     kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "kv_heads": 2, "k_blocks": 2,
                            "v_blocks": 2, "k_block_rank": 64, "v_block_rank": 128, "length": 700,
                            "mask": "bool" if pads else "none", "padding": pads is not None, "pads": pads,
-                           "bias": False, "rope_window": rope_window, "start_position": 3000})
+                           "bias": False, "rope_window": rope_window, "start_position": 3000,
+                           "by_blocks": by_blocks})
+    assert kwargs["latent_k"].dim() == kwargs["latent_v"].dim() == (4 if by_blocks else 3)
     if near_slot is not None:
         kwargs["positions"][0, near_slot] = kwargs["positions"][0, 699]
     generator = torch.Generator().manual_seed(1)

@@ -327,3 +327,15 @@ def test_what_the_kernel_does_not_cover_raises_not_implemented(change, what):
         kwargs["attn_mask"] = kwargs["attn_mask"][:, :, :, None]
     with pytest.raises(NotImplementedError, match=what):
         triton_prefill.prefill_attention(**kwargs)
+
+
+@pytest.mark.parametrize("path", [None, "rebuild"])
+@pytest.mark.parametrize("layout", [
+    dict(v_bits=8),  # 4-bit keys of 24 channels a head, 8-bit values of 40, groups of 8
+    dict(k_block_rank=64, v_block_rank=128, k_group=32, v_group=32, dtype=torch.float16)])  # the budget plan's
+def test_codes_stored_by_blocks_on_both_paths(path, layout):
+    """Codes, scales and zero points stored head-major (`quantize.by_blocks`, as LatentCache stores head-wise sides):
+    the prefill kernel and the rebuild path read what the reference reads, in a chunk after earlier ones."""
+    kwargs = build_prefill_case(**{**BASE, **layout, "by_blocks": True})
+    assert kwargs["latent_k"].dim() == kwargs["latent_v"].dim() == 4
+    check(kwargs, path)

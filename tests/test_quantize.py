@@ -168,6 +168,39 @@ def test_beam_reordering_moves_scales_and_zero_points_with_their_codes():
     assert all(each.positions is cache.positions for each in cache.layers)  # reordered once, still shared
 
 
+def test_head_wise_codes_are_stored_by_kv_head_and_decode_as_rows_do(monkeypatch):
+    """A quantized side of head-wise factors is stored head-major (`quantize.by_blocks`): each KV head's codes,
+    scales and zero points of every slot in one run, handed to the ops as the view [batch, slots, KV heads, per
+    head]. Where a head's codes do not fill whole bytes (3 bits of 8 channels) the side stays rows. Decoding reads
+    the same numbers either way: the same tokens and logits as a cache of rows only."""
+    from lrkv_compile import cache as cache_module
+
+    model = build_model(SMALL)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, bits_k=4, bits_v=3, group=8, sinks=1, window=2, scheme="head",
+                                 progress=False)
+    ids = torch.randint(0, VOCAB, (2, 7))
+
+    def generate():
+        cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)
+        with torch.no_grad():
+            out = lrkv.compile(model, plan).generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                                                     output_scores=True, return_dict_in_generate=True)
+        return cache, out
+
+    cache, out = generate()
+    layer = cache.layers[0]
+    slots, heads = 16, SMALL["num_key_value_heads"]
+    assert layer.keys.shape == (2, slots, heads, 4) and layer.keys.stride() == (heads * slots * 4, 4, slots * 4, 1)
+    assert layer.k_scale.shape == (2, slots, heads, 1) and layer.k_scale.stride()[1:3] == (1, slots)
+    assert layer.values.dim() == 3  # 3-bit codes of 8 channels a head span the bytes of two heads
+    monkeypatch.setattr(cache_module, "blocks_apart", lambda *_: False)
+    rows, expected = generate()
+    assert rows.layers[0].keys.dim() == 3
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.scores, expected.scores):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_rank_rounded_to_whole_groups_warns_and_bits_must_be_integers():
     model = build_model(SMALL)
     with pytest.warns(lrkv.LrkvWarning, match="gives rank 16"):

@@ -17,11 +17,11 @@ from test_kernels import _side_buffers  # noqa: E402
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
-def _buffers(batch, capacity, context, rank_k, rank_v, layout, dtype, generator):
+def _buffers(batch, capacity, context, rank_k, rank_v, layout, dtype, generator, blocks=1):
     """Both sides' cache buffers, filled with random bytes (so what a write must not touch is checked too), and
-    the positions."""
+    the positions; quantized sides stored by `blocks` blocks where they can be (`test_kernels._side_buffers`)."""
     sides = [_side_buffers(batch, capacity, rank, layout[f"{side}_bits"], layout[f"{side}_group"],
-                           layout[f"{side}_sinks"], layout["window"], "token", 0, dtype)
+                           layout[f"{side}_sinks"], layout["window"], "token", 0, dtype, blocks)
              for side, rank in (("k", rank_k), ("v", rank_v))]
     for tensor in sides[0] + sides[1]:
         if tensor.numel():
@@ -35,13 +35,20 @@ def _buffers(batch, capacity, context, rank_k, rank_v, layout, dtype, generator)
     (16, 16, 8, 0, 0), (4, 3, 32, 4, 0), (8, 2, 8, 1, 3), (3, 4, 16, 0, 5), (2, 16, 8, 2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ring", [False, True])
-def test_the_triton_write_stores_the_reference_bytes(k_bits, v_bits, group, sinks, window, dtype, ring):
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_the_triton_write_stores_the_reference_bytes(k_bits, v_bits, group, sinks, window, dtype, ring, blocks):
+    """blocks: 2, each side's codes stored by two blocks where its layout allows (8-bit keys and 2- and 4-bit values
+    in groups of 8 and 16, 3-bit values of 128 channels a block), as rows elsewhere."""
     generator = torch.Generator().manual_seed(k_bits * 100 + v_bits + group)
-    batch, max_batch, context, rank_k, rank_v = 2, 3, 24, 32, 64
+    batch, max_batch, context, rank_k = 2, 3, 24, 32
+    rank_v = 256 if blocks == 2 and v_bits == 3 else 64
     capacity = 16 if ring else context  # a sliding-window layer's ring: index i at slot i % 16
     layout = dict(k_bits=k_bits, k_group=group, k_sinks=sinks if k_bits != 16 else 0, k_axis="token", k_outliers=0,
                   v_bits=v_bits, v_group=group, v_sinks=sinks if v_bits != 16 else 0, v_axis="token", v_outliers=0)
-    buffers = _buffers(max_batch, capacity, context, rank_k, rank_v, dict(layout, window=window), dtype, generator)
+    buffers = _buffers(max_batch, capacity, context, rank_k, rank_v, dict(layout, window=window), dtype, generator,
+                       blocks)
+    # by blocks wherever a side is quantized and blocks were asked for (16-bit sides are always rows)
+    assert any(tensor.dim() == 4 for tensor in buffers) == (blocks == 2 and (k_bits, v_bits) != (16, 16))
     expected = [tensor.clone() for tensor in buffers]
     start = 0
     for tokens in (7, 1, 1, 9, 1):  # a prompt, decode steps, a chunk that wraps the ring, one more step
