@@ -37,8 +37,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from lrkv_compile.lowering import quantize, reference  # noqa: E402
-from lrkv_compile.lowering.quantize import blocks_apart, exact_dtype, packed_width  # noqa: E402
+from lrkv_compile.lowering import reference  # noqa: E402
+from lrkv_compile.lowering.quantize import by_blocks, exact_dtype, packed_width, stored_blocks  # noqa: E402
 from lrkv_compile.lowering.triton_decode import CANDIDATES, decode_attention_with, launch_config  # noqa: E402
 
 SHAPES = {"llama2-7b": dict(heads=32, kv_heads=32, head_dim=128), "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128)}
@@ -78,9 +78,9 @@ def side_bytes(rank, bits, group):
     return 2 * rank if bits == 16 else packed_width(rank, bits) + 4 * (rank // group)
 
 
-def build(shape, plan, batch, context, device, by_blocks=True):
+def build(shape, plan, batch, context, device, head_major=True):
     """Keyword arguments of latent_attention for the decode step at slot context - 1, and the bytes it reads.
-    by_blocks: quantized head-wise sides stored head-major where LatentCache stores them so (`quantize.by_blocks`),
+    head_major: quantized head-wise sides stored head-major where LatentCache stores them so (`quantize.by_blocks`),
     else as rows."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, head_dim, heads = shape["kv_heads"], shape["head_dim"], shape["heads"]
@@ -93,15 +93,11 @@ def build(shape, plan, batch, context, device, by_blocks=True):
             sides[side] = [torch.randn(batch, context, rank, dtype=torch.float16, device=device), empty, empty.clone(),
                            empty.clone()]
         else:
-            blocks = kv_heads if plan["scheme"] == "head" and by_blocks else 1
-            if blocks > 1 and blocks_apart(bits, group, "token", 0, rank // blocks):
-                stored = [quantize.by_blocks(batch, context, blocks, width // blocks, dtype, device)
-                          for width, dtype in ((packed_width(rank, bits), torch.uint8), (rank // group, torch.float16),
-                                               (rank // group, torch.float16))]
-            else:
-                stored = [torch.zeros(batch, context, packed_width(rank, bits), dtype=torch.uint8, device=device),
-                          torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device),
-                          torch.zeros(batch, context, rank // group, dtype=torch.float16, device=device)]
+            blocks = stored_blocks(bits, group, "token", 0, rank, kv_heads) if plan["scheme"] == "head" and head_major \
+                else 1
+            stored = [by_blocks(batch, context, width, blocks, dtype, device)
+                      for width, dtype in ((packed_width(rank, bits), torch.uint8), (rank // group, torch.float16),
+                                           (rank // group, torch.float16))]
             sides[side] = stored + [torch.zeros(batch, sinks, rank, dtype=exact_dtype(torch.float16), device=device)]
     positions = torch.arange(context, dtype=torch.int32, device=device).expand(batch, -1).contiguous()
     layout = dict(k_bits=plan["k_bits"], k_group=max(1, plan["group"]), k_sinks=plan["sinks"], k_axis="token",

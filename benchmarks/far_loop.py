@@ -28,7 +28,7 @@ def main():
     gpu = torch.cuda.get_device_name(device)
     batch, context, kv_heads = 16, 16384, 8
     plan = next(plan for plan in bench.PLANS if plan["plan"] == "budget 0.2 w1024")
-    kwargs, read = bench.build(bench.SHAPES["llama3-8b"], plan, batch, context, device, by_blocks=False)
+    kwargs, read = bench.build(bench.SHAPES["llama3-8b"], plan, batch, context, device, head_major=False)
     cache = [kwargs[name] for name in ("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero")]
     layouts = dict(row=cache, head_major=[head_major(tensor, kv_heads) for tensor in cache])
     query = (torch.randn(batch, kv_heads, 4, 64, device=device) * 0.2).half()

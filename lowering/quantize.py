@@ -25,7 +25,7 @@ and cache slot s:
   quantized codes; a reader takes the exact copy where one is held. Empty when the layout keeps none.
 16-bit sides are not quantized: latents are stored in the model's dtype; scale, zero and exact are empty.
 Head-major storage (`by_blocks`): where a quantized side's factor is block diagonal (head- or group-wise) and each
-block's codes and scales fill whole bytes and whole groups of their own (`blocks_apart`), `LatentCache` stores codes,
+block's codes and scales fill whole bytes and whole groups of their own (`stored_blocks`), `LatentCache` stores codes,
 scales and zero points by block, [max_batch, blocks, slots, per block], so each KV head's slots lie in one run, and
 hands the ops the view [max_batch, slots, blocks, per block]: the same bytes as the row of one slot, block by block
 (each block's codes packed on their own equal its share of the row there). Every op reads a side's codes as either
@@ -78,7 +78,7 @@ def _cpu_three_bit_order(width: int) -> torch.Tensor:
     return three_bit_order(width)
 
 
-def blocks_apart(bits: int, group: int, axis: str, outliers: int, block_rank: int) -> bool:
+def _blocks_apart(bits: int, group: int, axis: str, outliers: int, block_rank: int) -> bool:
     """Whether a quantized side's blocks of `block_rank` latent channels can be stored apart (head-major): per-token
     scales whose groups divide the block, no outlier channels, and codes whose bytes split at the blocks' bounds,
     which at 3 bits needs whole units of `three_bit_order` (128 channels) per block."""
@@ -86,10 +86,19 @@ def blocks_apart(bits: int, group: int, axis: str, outliers: int, block_rank: in
             and block_rank * bits % 8 == 0 and (bits != 3 or block_rank % 128 == 0))
 
 
-def by_blocks(rows: int, slots: int, blocks: int, per_block: int, dtype, device) -> torch.Tensor:
-    """Zeros stored head-major, [rows, blocks, slots, per_block], as the ops read them: the view [rows, slots,
-    blocks, per_block]."""
-    return torch.zeros(rows, blocks, slots, per_block, dtype=dtype, device=device).transpose(1, 2)
+def stored_blocks(bits: int, group: int, axis: str, outliers: int, rank: int, blocks: int) -> int:
+    """The blocks a side of `rank` latent channels, a factor of `blocks` diagonal blocks, is stored in: the factor's
+    where they can be stored apart (head-major), else 1 (rows)."""
+    return blocks if blocks > 1 and _blocks_apart(bits, group, axis, outliers, rank // blocks) else 1
+
+
+def by_blocks(rows: int, slots: int, width: int, blocks: int, dtype, device) -> torch.Tensor:
+    """Zeros for `width` bytes or scales a slot as they are stored: rows [rows, slots, width] where `blocks` is 1,
+    else head-major [rows, blocks, slots, width / blocks], handed as the ops read them: the view [rows, slots,
+    blocks, width / blocks]."""
+    if blocks == 1:
+        return torch.zeros(rows, slots, width, dtype=dtype, device=device)
+    return torch.zeros(rows, blocks, slots, width // blocks, dtype=dtype, device=device).transpose(1, 2)
 
 
 def rows_of(tensor: torch.Tensor) -> torch.Tensor:

@@ -241,13 +241,13 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
         return side
     if latent.dtype != torch.uint8 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
         raise NotImplementedError(f"{name}: packed codes must be uint8 with contiguous scales and zero points")
-    if stored > 1 and (stored != blocks or not quantize.blocks_apart(bits, group, axis, outliers, block_rank)
+    if stored > 1 and (stored != quantize.stored_blocks(bits, group, axis, outliers, rank, blocks)
                        or scale.dim() != 4 or zero.dim() != 4 or scale.shape[2] != stored
                        or zero.stride() != scale.stride()):
         raise NotImplementedError(f"{name}: codes stored in {stored} blocks for a factor of {blocks}, with scales "
                                   f"{tuple(scale.shape)} and zero points {tuple(zero.shape)}: expected the factor's "
                                   "blocks, each with its scales (zero points laid out as the scales) and whole bytes "
-                                  "of codes (`quantize.blocks_apart`)")
+                                  "of codes (`quantize.stored_blocks`)")
     if stored > 1:
         side.update(sk=latent.stride(2), sz_sk=scale.stride(2), STORED=block_rank)
     channel = axis == "channel"  # a scale per channel and block of `group` slots (KIVI's keys)

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from lrkv_compile.kernels import latent_write as kernels
+from . import quantize
 from .launch import launch
 from .reference import _check_room
 
@@ -29,12 +30,15 @@ def _side_constants(name, latent, scale, zero, new, bits, group, axis, outliers)
                                       "power of two channels, at least 8, that divide the rank")
     if latent.stride(-1) != 1 or new.stride(-1) != 1:
         raise NotImplementedError(f"latent_{name} or new_{name} has a non-contiguous last axis")
-    if latent.dim() == 4 and (bits == 16 or scale.dim() != 4 or scale.shape[2] != latent.shape[2]
-                              or scale.stride() != zero.stride()):
-        raise NotImplementedError(f"latent_{name} stored in {latent.shape[2]} blocks with scales "
-                                  f"{tuple(scale.shape)}: the Triton write takes quantized blocks, each with its "
-                                  "scales, zero points laid out as the scales")
-    return dict(RANK=rank, RUNS=runs, BITS=bits, GROUP=group if bits != 16 else 8)
+    blocks = latent.shape[2] if latent.dim() == 4 else 1  # stored apart (`quantize.by_blocks`), or rows
+    if blocks > 1 and (quantize.stored_blocks(bits, group, axis, outliers, rank, blocks) != blocks
+                       or scale.dim() != 4 or scale.shape[2] != blocks or scale.stride() != zero.stride()):
+        raise NotImplementedError(f"latent_{name} stored in {blocks} blocks with scales {tuple(scale.shape)}: the "
+                                  "Triton write takes quantized blocks of whole bytes and groups "
+                                  "(`quantize.stored_blocks`), each with its scales, zero points laid out as the "
+                                  "scales")
+    return dict(RANK=rank, RUNS=runs, BITS=bits, GROUP=group if bits != 16 else 8,
+                STORED=rank // blocks if blocks > 1 else 0)
 
 
 def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v,
@@ -62,7 +66,7 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
         write_positions = name == "k" and new_positions is not None
         source = new_positions if write_positions else positions
         quantized = bits != 16
-        blocks = latent.shape[2] if latent.dim() == 4 else 1  # stored apart (`quantize.by_blocks`), or rows
+        blocks = latent.shape[2] if latent.dim() == 4 else 1
         launch(kernels.latent_write_kernel, (batch, tokens), (
             new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
             latent.stride(2) if blocks > 1 else 0, scale if quantized else latent, zero if quantized else latent,
@@ -73,5 +77,5 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
             exact.shape[1] - sinks if exact.numel() else 0,
             positions, positions.stride(0), source,
             source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
-            dict(**const, STORED=latent.shape[-1] * 8 // bits if blocks > 1 else 0, HAS_EXACT=bool(exact.numel()),
+            dict(**const, HAS_EXACT=bool(exact.numel()),
                  WRITE_POSITIONS=write_positions))

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, StaticLayer
 
 from lrkv_compile.lowering import ops
-from lrkv_compile.lowering.quantize import blocks_apart, by_blocks, exact_dtype
+from lrkv_compile.lowering.quantize import by_blocks, exact_dtype, stored_blocks
 from .errors import LrkvWarning, PlanMismatchError, UnrewrittenSiteError
 from .fit import check_parameters, model_layers
 from .plan import RankPlan
@@ -170,19 +170,13 @@ class LatentCache(Cache):
             quantized = layout.bits != 16
             # a quantized side of a block-diagonal factor stored by blocks where it can be (head-major: each KV
             # head's codes in one run, `quantize.by_blocks`), else as rows
-            apart = blocks > 1 and blocks_apart(layout.bits, layout.group, layout.axis, layout.outliers,
-                                                rank // blocks)
-
-            def stored(length, width, dtype):
-                if apart:
-                    return by_blocks(max_batch_size, length, blocks, width // blocks, dtype, device)
-                return torch.zeros(max_batch_size, length, width, dtype=dtype, device=device)
+            apart = stored_blocks(layout.bits, layout.group, layout.axis, layout.outliers, rank, blocks)
 
             def empty():  # one per buffer: the ops mutate them, so no two may alias
                 return torch.zeros(0, dtype=torch.float16, device=device)
-            return (stored(slots, latents, torch.uint8 if quantized else dtype),
-                    stored(rows, groups, torch.float16) if quantized else empty(),
-                    stored(rows, groups, torch.float16) if quantized else empty(),
+            return (by_blocks(max_batch_size, slots, latents, apart, torch.uint8 if quantized else dtype, device),
+                    by_blocks(max_batch_size, rows, groups, apart, torch.float16, device) if quantized else empty(),
+                    by_blocks(max_batch_size, rows, groups, apart, torch.float16, device) if quantized else empty(),
                     torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
                     if quantized and layout.exact_slots else empty())
 

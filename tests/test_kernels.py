@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.errors import SharedLatentsWarning  # noqa: E402
 from lrkv_compile.kernels import latent_decode  # noqa: E402
 from lrkv_compile.lowering import reference, triton_decode, triton_prefill, triton_write  # noqa: E402
-from lrkv_compile.lowering.quantize import blocks_apart, by_blocks, exact_dtype, packed_width  # noqa: E402
+from lrkv_compile.lowering.quantize import by_blocks, exact_dtype, packed_width, stored_blocks  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -34,7 +34,7 @@ def _factor(blocks, block_rank, kv_heads, head_dim, generator):
 
 def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outliers, dtype, blocks=1):
     """One side's cache buffers as LatentCache makes them: codes, scales and zero points stored by `blocks` blocks
-    (head-major, `quantize.by_blocks`) where the layout allows it (`quantize.blocks_apart`), else as rows."""
+    (head-major, `quantize.by_blocks`) where the layout allows it (`quantize.stored_blocks`), else as rows."""
     if bits == 16:
         empty = torch.zeros(0, dtype=torch.float16)
         return [torch.zeros(batch, capacity, rank, dtype=dtype), empty, empty.clone(), empty.clone()]
@@ -42,13 +42,10 @@ def _side_buffers(batch, capacity, rank, bits, group, sinks, window, axis, outli
         torch.zeros(0, dtype=torch.float16)
     coded = rank - outliers
     width = 2 * outliers + packed_width(coded, bits)
-    if blocks > 1 and blocks_apart(bits, group, axis, outliers, rank // blocks):
-        return [by_blocks(batch, capacity, blocks, width // blocks, torch.uint8, "cpu"),
-                *(by_blocks(batch, capacity, blocks, coded // group // blocks, torch.float16, "cpu") for _ in "sz"),
-                exact]
-    scales = (batch, capacity, coded // group) if axis == "token" else (batch, -(-capacity // group), coded)
-    return [torch.zeros(batch, capacity, width, dtype=torch.uint8),
-            torch.zeros(scales, dtype=torch.float16), torch.zeros(scales, dtype=torch.float16), exact]
+    stored = stored_blocks(bits, group, axis, outliers, rank, blocks)
+    scales = (capacity, coded // group) if axis == "token" else (-(-capacity // group), coded)
+    return [by_blocks(batch, capacity, width, stored, torch.uint8, "cpu"),
+            *(by_blocks(batch, *scales, stored, torch.float16, "cpu") for _ in "sz"), exact]
 
 
 def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blocks, k_block_rank, v_block_rank,

@@ -193,7 +193,7 @@ def test_head_wise_codes_are_stored_by_kv_head_and_decode_as_rows_do(monkeypatch
     assert layer.keys.shape == (2, slots, heads, 4) and layer.keys.stride() == (heads * slots * 4, 4, slots * 4, 1)
     assert layer.k_scale.shape == (2, slots, heads, 1) and layer.k_scale.stride()[1:3] == (1, slots)
     assert layer.values.dim() == 3  # 3-bit codes of 8 channels a head span the bytes of two heads
-    monkeypatch.setattr(cache_module, "blocks_apart", lambda *_: False)
+    monkeypatch.setattr(cache_module, "stored_blocks", lambda *_: 1)
     rows, expected = generate()
     assert rows.layers[0].keys.dim() == 3
     assert torch.equal(out.sequences, expected.sequences)
