@@ -12,22 +12,31 @@ layout (`lowering/quantize.py`). It scores every slot of a split against the lat
 KV head, already taken through the key factors, turned to the windowed position and scaled for base 2) and keeps
 per split the partial (max, sum, latent context) the decode kernel's combine reduces.
 
-One warp per program owns its slots from codes to context: no shared memory and no barrier. Per 16 slots, transposed
-mma.sync products (m16n8k16): scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and ctxT [128
-channels, 8] += VT [128 channels, 16 slots] @ pT [16 slots, 8]; four such groups per iteration share one
-online-softmax update, their values dequantized after it, each just before its product (fewer registers live across
-the softmax: 134 against 158). The codes load straight into the operands' registers: lane (g, t) loads int32 words 2t
-and 2t + 1 of the key codes of slots g and g + 8, and the 48 bits of value codes of channels 16g .. 16g + 15 of slots
-2t, 2t + 1, 2t + 8 and 2t + 9; PTX turns them into float16 two at a time (a key word's codes i and i + 4, one value
-channel of two slots), and joins, a reshape and a permute give the operands' layouts, which convert_layout asserts
-need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels` and `value_channels` say
-which cache channel each holds; the queries come permuted, the context is stored in the cache's order.
+One warp per program owns its slots from codes to context. Per 16 slots, transposed mma.sync products (m16n8k16):
+scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and ctxT [128 channels, 8] += VT [128 channels,
+16 slots] @ pT [16 slots, 8]; four such groups per iteration of 64 slots share one online-softmax update, their values
+dequantized after it, each just before its product. Each 64-slot tile's codes, scales and zero points come into
+shared memory by cp.async while the tile before it is computed (two stages, 13 KB a program; the warp waits on its
+own copies and one barrier a tile, with no other warp to wait for), so a warp's loads overlap its compute: with the
+codes loaded straight into registers, every warp waited on its own loads once a tile (docs/gpu-notes.md). From
+shared memory the codes load straight into the operands' layouts: lane (g, t) reads int32 words 2t and 2t + 1 of the
+key codes of slots g and g + 8, and the three words of value codes of block g // 2 (channels 32 (g // 2) ..) of
+slots 2t, 2t + 1, 2t + 8 and 2t + 9, of which it takes the 48 bits of channels 16g .. 16g + 15; PTX turns them into
+float16 two at a time (a key word's codes i and i + 4, one value channel of two slots), and joins, a reshape and a
+permute give the operands' layouts, which convert_layout asserts need no data movement. So the operands' ranks and
+channels are permuted: `key_rank_channels` and `value_channels` say which cache channel each holds; the queries come
+permuted, the context is stored in the cache's order.
 """
 import struct
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# cp.async into shared memory: `async_load` from Triton 3.9 on (which refuses the older name), before it
+# `async_copy_global_to_shared` (3.6, the GPU machine's version)
+_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a CTA's barrier: `barrier` from 3.9 on
 
 
 def _half2(value: float) -> str:
@@ -36,15 +45,13 @@ def _half2(value: float) -> str:
     return f"0x{bits:04x}{bits:04x}"
 
 
-def _pairs_asm(pairs, shifts, bits, scale_at, zero_at, prologue) -> str:
+def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=()) -> str:
     """PTX turning codes into float16 latents two at a time. Output pair k (outputs 2k and 2k + 1, the low and high
     halves of a register) takes its codes at bit shifts[k] of each 16-bit half of a register: pairs[k] = (selector,
     x, y) gathers it by prmt from registers x and y, or (None, x, None) takes register x as it is. lop3 masks the
     code into the mantissa of 1024, an exact fma takes 1024 away and divides by 2^shift, a last fma applies the
-    (scale, zero point) pairs: inputs scale_at and zero_at (counted from the first input), a float16 each."""
-    outputs = 2 * len(shifts)
-    lines = [f"mov.b32 s2, {{${outputs + scale_at[0]}, ${outputs + scale_at[1]}}};",
-             f"mov.b32 z2, {{${outputs + zero_at[0]}, ${outputs + zero_at[1]}}};", *prologue]
+    (scale, zero point) pairs s2 and z2 that the lines `scales` set (after `prologue`)."""
+    lines = [*prologue, *scales]
     for shift in sorted(set(shifts)):  # f16x2 operands are registers
         lines.append(f"mov.b32 m{shift}, {_half2(2.0 ** -shift)};")
         lines.append(f"mov.b32 a{shift}, {_half2(-1024.0 * 2.0 ** -shift)};")
@@ -61,51 +68,91 @@ def _pairs_asm(pairs, shifts, bits, scale_at, zero_at, prologue) -> str:
         lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
         lines.append("fma.rn.f16x2 t, t, s2, z2;")
         lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;")
-    names = ", ".join(f"m{shift}, a{shift}" for shift in sorted(set(shifts)))
-    return "{\n.reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines) + "\n}"
+    names = ", ".join([*(f"m{shift}, a{shift}" for shift in sorted(set(shifts))), *registers])
+    return ("{\n.reg .pred p;\n.reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
+            + "\n}")
 
 
 def _key_asm() -> str:
-    """Inputs $8 (an int32 word of 8 4-bit codes, code k at bits 4k), $9 scale, $10 zero point. Outputs: codes 0, 4,
-    1, 5, 2, 6, 3, 7 (pairs (i, i + 4) lie at bits 4i and 4i + 16: of the word, then of the word shifted by 8)."""
+    """Inputs $8 (an int32 word of 8 4-bit codes, code k at bits 4k), $9 and $10 (the slot's two groups' float16
+    scales, then zero points, as int32 words), $11 (the prmt selector of the word's group: 0x1010 or 0x3232).
+    Outputs: codes 0, 4, 1, 5, 2, 6, 3, 7 (pairs (i, i + 4) lie at bits 4i and 4i + 16: of the word, then of the word
+    shifted by 8)."""
     pairs = [(None, "$8", None)] * 2 + [(None, "y0", None)] * 2
-    return _pairs_asm(pairs, [0, 4, 0, 4], 4, (1, 1), (2, 2), ["shr.u32 y0, $8, 8;"])
+    return _pairs_asm(pairs, [0, 4, 0, 4], 4, ["prmt.b32 s2, $9, $9, $11;", "prmt.b32 z2, $10, $10, $11;"],
+                      ["shr.u32 y0, $8, 8;"])
 
 
-def _value_asm() -> str:
-    """Inputs $32 $33 (two int32 words of slot A holding its 48 bits of codes from bit $36, 0 or 16), $34 $35 (slot
-    B's), $36, $37 $38 (the scales of A and B), $39 $40 (their zero points). Output pair 8X + i holds code i of
-    3-byte word X (of the 48 bits) of slot A, then of slot B."""
-    prologue = ["shf.r.wrap.b32 x0, $32, $33, $36;", "shr.u32 y0, $33, $36;",  # A's 48 bits: x0, then y0
-                "shf.r.wrap.b32 x1, x0, y0, 24;",                              # A's word 1 at bit 0 of x1
-                "shf.r.wrap.b32 y1, $34, $35, $36;", "shr.u32 w, $35, $36;",    # B's 48 bits: y1, then w
-                "shf.r.wrap.b32 w, y1, w, 24;", "mov.b32 y0, w;"]              # B's word 1 in y0 (prmt takes w)
+def _value_pairs():
     pairs, shifts = [], []
     for a, b in (("x0", "y1"), ("x1", "y0")):
         for i in range(8):
             byte, shift = divmod(3 * i, 8)
             pairs.append((byte | (byte + 1) << 4 | (4 + byte) << 8 | (5 + byte) << 12, a, b))
             shifts.append(shift)
-    return _pairs_asm(pairs, shifts, 3, (5, 6), (7, 8), prologue)
+    return pairs, shifts
+
+
+def _value_asm() -> str:
+    """Inputs $32 $33 $34 (int32 words 0, 1 and 2 of slot A's 32-channel block of codes), $35 $36 $37 (slot B's),
+    $38 (the bit, 0 or 16, where the lane's 48 bits begin: words 0 and 1 from bit 0, or 1 and 2 from bit 16), $39 $40
+    (the int32 words of A's and B's float16 scales that hold the block's), $41 $42 (their zero points'), $43 (the prmt
+    selector of the block's halves: 0x5410 or 0x7632). Output pair 8X + i holds code i of 3-byte word X (of the 48
+    bits) of slot A, then of slot B."""
+    prologue = ["setp.ne.u32 p, $38, 0;",
+                "selp.b32 u0, $33, $32, p;", "selp.b32 u1, $34, $33, p;",      # A's two words
+                "selp.b32 v0, $36, $35, p;", "selp.b32 v1, $37, $36, p;",      # B's
+                "shf.r.wrap.b32 x0, u0, u1, $38;", "shr.u32 y0, u1, $38;",     # A's 48 bits: x0, then y0
+                "shf.r.wrap.b32 x1, x0, y0, 24;",                              # A's word 1 at bit 0 of x1
+                "shf.r.wrap.b32 y1, v0, v1, $38;", "shr.u32 w, v1, $38;",      # B's 48 bits: y1, then w
+                "shf.r.wrap.b32 w, y1, w, 24;", "mov.b32 y0, w;"]              # B's word 1 in y0 (prmt takes w)
+    return _pairs_asm(*_value_pairs(), 3, ["prmt.b32 s2, $39, $40, $43;", "prmt.b32 z2, $41, $42, $43;"], prologue,
+                      ["u0", "u1", "v0", "v1"])
 
 
 KEY_ASM = gl.constexpr(_key_asm())
 VALUE_ASM = gl.constexpr(_value_asm())
-KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r,h,h")
-VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + "r,r,r,r,r,h,h,h,h")
+KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r,r,r,r")
+VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 12))
 
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-# key words [8 slots, 8 words]: lane (g, t) holds words 2t and 2t + 1 of slot g
-KEY_WORDS = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[],
-    shape=[8, 8]))
+# key words [8 slots, 8 words]: lane (g, t) holds words 2t and 2t + 1 of slot g (blocked: it broadcasts a slot's
+# scales over its words)
+KEY_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                          order=[1, 0]))
 HEADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # [8, 4]: element (g, t) in lane (g, t)
 LANES = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[8, 4]))
+# [4, 2, 4]: lane (g, t) holds element (g // 2, g % 2, t): LANES in three dimensions (blocked: it broadcasts a
+# block's scales over the two lanes of the block)
+LANES3 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1], threads_per_warp=[4, 2, 4],
+                                       warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
+# [2, 4, 4]: lane (g, t) holds element (g // 4, g % 4, t) (broadcasts a word of scales over four lanes)
+LANES3W = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1], threads_per_warp=[2, 4, 4],
+                                        warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
+# [16 slots, 4 words]: lane (g, t) holds word g // 2 of slots 2t, 2t + 1, 2t + 8 and 2t + 9 (its registers)
+SLOT_PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 1], [0, 2]], warp_bases=[], block_bases=[],
+    shape=[16, 4]))
+# [16 slots, 2 words]: lane (g, t) holds word g // 4 of the same slots
+SLOT_PAIRS_W = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 1]], warp_bases=[], block_bases=[],
+    shape=[16, 2]))
+# shared memory: two stages of 64 slots, unswizzled, [2, 64] or [2, 64, columns]
+SMEM1 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+SMEM2 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+# the copies into it: [64 slots, 8 / 4 / 2 int32 words] (16, 16 and 8 bytes a lane a copy) and [64]
+COPY_8 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 1],
+                                       order=[1, 0]))
+COPY_4 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
+                                       order=[1, 0]))
+COPY_2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
+                                       order=[1, 0]))
+COPY_1 = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 
 
 @gluon.jit
@@ -129,55 +176,8 @@ def _finite(maxima):
 
 
 @gluon.jit
-def _load(rows, s0, offsets, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr, vs_ss: gl.constexpr):
-    """The raw words, scales and zero points of the 16 slots from s0, in the layouts _keys and _values take them.
-    Keys: two halves of 8 slots (rows g and g + 8)."""
-    kw_row, ks_row, kz_row, vw_row, vs_row, vz_row = rows
-    k_off, ks_off, v_off, vs_off = offsets
-    kbase = kw_row + s0 * kw_ss
-    sbase = s0 * ks_ss
-    w_lo = gl.load(kbase + k_off)
-    w_hi = gl.load(kbase + 8 * kw_ss + k_off)
-    s_lo = gl.load(ks_row + sbase + ks_off)
-    z_lo = gl.load(kz_row + sbase + ks_off)
-    s_hi = gl.load(ks_row + sbase + 8 * ks_ss + ks_off)
-    z_hi = gl.load(kz_row + sbase + 8 * ks_ss + ks_off)
-    # values: slot pairs (2t, 2t + 1) and (2t + 8, 2t + 9)
-    vbase = vw_row + s0 * vw_ss
-    a0 = gl.load(vbase + v_off)
-    a1 = gl.load(vbase + v_off + 4)
-    b0 = gl.load(vbase + vw_ss + v_off)
-    b1 = gl.load(vbase + vw_ss + v_off + 4)
-    c0 = gl.load(vbase + 8 * vw_ss + v_off)
-    c1 = gl.load(vbase + 8 * vw_ss + v_off + 4)
-    d0 = gl.load(vbase + 9 * vw_ss + v_off)
-    d1 = gl.load(vbase + 9 * vw_ss + v_off + 4)
-    vsb = vs_row + s0 * vs_ss + vs_off
-    vzb = vz_row + s0 * vs_ss + vs_off
-    sa = gl.load(vsb)
-    sb = gl.load(vsb + vs_ss)
-    sc = gl.load(vsb + 8 * vs_ss)
-    sd = gl.load(vsb + 9 * vs_ss)
-    za = gl.load(vzb)
-    zb = gl.load(vzb + vs_ss)
-    zc = gl.load(vzb + 8 * vs_ss)
-    zd = gl.load(vzb + 9 * vs_ss)
-
-    return w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd
-
-
-@gluon.jit
-def _keys(tile):
-    """K [16 slots, 64 ranks] as the A operand, from _load's tile."""
-    w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd = tile
-    s_lo = gl.convert_layout(gl.reshape(gl.join(s_lo, s_lo), [8, 8]), KEY_WORDS, assert_trivial=True)
-    z_lo = gl.convert_layout(gl.reshape(gl.join(z_lo, z_lo), [8, 8]), KEY_WORDS, assert_trivial=True)
-    s_hi = gl.convert_layout(gl.reshape(gl.join(s_hi, s_hi), [8, 8]), KEY_WORDS, assert_trivial=True)
-    z_hi = gl.convert_layout(gl.reshape(gl.join(z_hi, z_hi), [8, 8]), KEY_WORDS, assert_trivial=True)
-    KL = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_lo, s_lo, z_lo], dtype=(gl.float16,) * 8,
-                                   is_pure=True, pack=1)
-    KH = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_hi, s_hi, z_hi], dtype=(gl.float16,) * 8,
-                                   is_pure=True, pack=1)
+def _key_operand(KL, KH):
+    """K [16 slots, 64 ranks] as the A operand, from the key asm's outputs for slots g (KL) and g + 8 (KH)."""
     # output k = 4 a + 2 b + c; joins: a, b, row 8, c
     x000 = gl.join(KL[0], KL[4])
     x001 = gl.join(KL[1], KL[5])
@@ -195,17 +195,6 @@ def _keys(tile):
     kt = gl.reshape(kt, [8, 2, 2, 2, 2, 2, 2, 2])   # [slot, w2, w1, w0, a, b, row8, c]
     kt = gl.permute(kt, [6, 0, 3, 4, 5, 1, 2, 7])
     return gl.convert_layout(gl.reshape(kt, [16, 64]), A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _values(tile, v_shift):
-    """VT [128 channels, 16 slots] as the A operand, from _load's tile."""
-    w_lo, w_hi, s_lo, z_lo, s_hi, z_hi, a0, a1, b0, b1, c0, c1, d0, d1, sa, sb, sc, sd, za, zb, zc, zd = tile
-    V0 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [a0, a1, b0, b1, v_shift, sa, sb, za, zb],
-                                   dtype=(gl.float16,) * 32, is_pure=True, pack=1)
-    V1 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [c0, c1, d0, d1, v_shift, sc, sd, zc, zd],
-                                   dtype=(gl.float16,) * 32, is_pure=True, pack=1)
-    return _value_operand(V0, V1)
 
 
 @gluon.jit
@@ -241,8 +230,86 @@ def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
 
 
 @gluon.jit
+def _issue(bufs, rows, stage, s0, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
+           vs_ss: gl.constexpr):
+    """cp.async of the 64 slots from s0 into shared-memory stage `stage`, as one group."""
+    kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s = bufs
+    kw_row, ks_row, kz_row, vw_row, vs_row, vz_row = rows
+    s8 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_8))
+    w8 = gl.arange(0, 8, layout=gl.SliceLayout(0, COPY_8))
+    _copy(kw_s.index(stage), kw_row + s8[:, None] * kw_ss + w8[None, :])
+    _copy(va_s.index(stage), vw_row + s8[:, None] * vw_ss + w8[None, :])
+    s4 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_4))
+    w4 = gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_4))
+    _copy(vb_s.index(stage), vw_row + s4[:, None] * vw_ss + (8 + w4)[None, :])
+    s2 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_2))
+    w2 = gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_2))
+    _copy(vs_s.index(stage), vs_row + s2[:, None] * vs_ss + w2[None, :])
+    _copy(vz_s.index(stage), vz_row + s2[:, None] * vs_ss + w2[None, :])
+    s1 = s0 + gl.arange(0, 64, layout=COPY_1)
+    _copy(ks_s.index(stage), ks_row + s1 * ks_ss)
+    _copy(kz_s.index(stage), kz_row + s1 * ks_ss)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _keys(kw_s, ks_s, kz_s, r0: gl.constexpr, selector):
+    """K [16 slots, 64 ranks] as the A operand, from the stage's slots r0 .. r0 + 15 (shared memory)."""
+    w_lo = kw_s.slice(r0, 8).load(KEY_WORDS)
+    w_hi = kw_s.slice(r0 + 8, 8).load(KEY_WORDS)
+    s_lo = gl.expand_dims(ks_s.slice(r0, 8).load(gl.SliceLayout(1, KEY_WORDS)), 1)
+    z_lo = gl.expand_dims(kz_s.slice(r0, 8).load(gl.SliceLayout(1, KEY_WORDS)), 1)
+    s_hi = gl.expand_dims(ks_s.slice(r0 + 8, 8).load(gl.SliceLayout(1, KEY_WORDS)), 1)
+    z_hi = gl.expand_dims(kz_s.slice(r0 + 8, 8).load(gl.SliceLayout(1, KEY_WORDS)), 1)
+    KL = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_lo, s_lo, z_lo, selector], dtype=(gl.float16,) * 8,
+                                   is_pure=True, pack=1)
+    KH = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_hi, s_hi, z_hi, selector], dtype=(gl.float16,) * 8,
+                                   is_pure=True, pack=1)
+    return _key_operand(KL, KH)
+
+
+@gluon.jit
+def _lanes(x, like, layout: gl.constexpr):
+    """A [words, 4 t] tensor of SLOT_PAIRS' (or SLOT_PAIRS_W's) words as LANES [8, 4]: `like` zeros [words, 8 // words,
+    4] in `layout`, over which each word broadcasts to its lanes."""
+    x = gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(1, layout), assert_trivial=True), 1)
+    x = gl.broadcast(x, like)[0]
+    return gl.convert_layout(gl.reshape(x, [8, 4]), LANES, assert_trivial=True)
+
+
+@gluon.jit
+def _pairs(x, like, layout: gl.constexpr):
+    """[16 slots, words] in SLOT_PAIRS (or SLOT_PAIRS_W) -> slots 2t, 2t + 1, 2t + 8, 2t + 9 as LANES [8, 4]."""
+    x = gl.permute(gl.reshape(x, [2, 4, 2, x.shape[1]]), [3, 1, 0, 2])  # [word, t, P, d]: slot 8 P + 2 t + d
+    even, odd = gl.split(x)
+    a, c = gl.split(even)
+    b, d = gl.split(odd)
+    return _lanes(a, like, layout), _lanes(b, like, layout), _lanes(c, like, layout), _lanes(d, like, layout)
+
+
+@gluon.jit
+def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
+    """VT [128 channels, 16 slots] as the A operand, from the stage's slots r0 .. r0 + 15 (shared memory)."""
+    codes = gl.zeros([4, 2, 4], gl.int32, layout=LANES3)
+    scales = gl.zeros([2, 4, 4], gl.int32, layout=LANES3W)
+    va = va_s.slice(r0, 16)
+    j0a, j0b, j0c, j0d = _pairs(va.slice(0, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
+    j1a, j1b, j1c, j1d = _pairs(va.slice(4, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
+    j2a, j2b, j2c, j2d = _pairs(vb_s.slice(r0, 16).load(SLOT_PAIRS), codes, LANES3)
+    sa, sb, sc, sd = _pairs(vs_s.slice(r0, 16).load(SLOT_PAIRS_W), scales, LANES3W)
+    za, zb, zc, zd = _pairs(vz_s.slice(r0, 16).load(SLOT_PAIRS_W), scales, LANES3W)
+    V0 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [j0a, j1a, j2a, j0b, j1b, j2b, v_shift, sa, sb, za,
+                                                                  zb, v_selector], dtype=(gl.float16,) * 32,
+                                   is_pure=True, pack=1)
+    V1 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [j0c, j1c, j2c, j0d, j1d, j2d, v_shift, sc, sd, zc,
+                                                                  zd, v_selector], dtype=(gl.float16,) * 32,
+                                   is_pure=True, pack=1)
+    return _value_operand(V0, V1)
+
+
+@gluon.jit
 def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, mask_ptr, m_ptr,
-               l_ptr, acc_ptr, kw_sb, kw_sh2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, kx_sb, kx_ss, vx_sb, vx_ss,
+               l_ptr, acc_ptr, kw_sb, kw_sh4, ks_sb, ks_sh, vw_sb, vw_sh4, vs_sb, vs_sh2, kx_sb, kx_ss, vx_sb, vx_ss,
                mask_sb, splits, row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
                vs_ss: gl.constexpr, mask_ss: gl.constexpr, KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr,
                SINKS: gl.constexpr, HAS_MASK: gl.constexpr):
@@ -252,11 +319,13 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     splits' (row (program_id(0) * row_splits + split) * GROUP_HEADS + query head of m_ptr, l_ptr: the running
     maximum in base 2 and the sum of 2^(score - m); of acc_ptr [rows, 128]: the latent context, unnormalized). The
     first SINKS slots (16 at most) come from their exact copies (kx_ptr, vx_ptr; their first rows), read by the
-    first split. Strides in the elements of each pointer (kw_sh2: the key words' head stride, halved: even, so that
-    a lane's two words load as one); q_ptr [rows * KV heads, 8 columns, 64 ranks] float16: the latent queries in the
-    ranks' order (key_rank_channels), zero columns past the query heads of a KV head. HAS_MASK: a boolean mask over
-    the slots (mask_ptr + b * mask_sb + slot * mask_ss, false: not attended; a row's left padding), whose splits may
-    then see no slot (their maximum stays -inf, their sum 0)."""
+    first split. The codes, scales and zero points are read as int32 words (a slot's key scales: one word, its two
+    groups; its value scales: two words), strides in words: the codes' head strides in units of four words (kw_sh4,
+    vw_sh4) and the value scales' in units of two (vs_sh2), so that the copies know their alignment. q_ptr [rows * KV
+    heads, 8 columns, 64 ranks] float16: the latent queries in the ranks' order (key_rank_channels), zero columns
+    past the query heads of a KV head. HAS_MASK: a boolean mask over the slots (mask_ptr + b * mask_sb + slot *
+    mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
+    -inf, their sum 0)."""
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // KV_HEADS
@@ -267,35 +336,34 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     per_split = (((n_far + splits - 1) // splits + 63) // 64) * 64
     lo = split * per_split
     hi = gl.minimum(lo + per_split, n_far)
-    kw_row = kw_ptr + b * kw_sb + h * (kw_sh2 * 2)
-    ks_row = ks_ptr + b * ks_sb + h * ks_sh
-    kz_row = kz_ptr + b * ks_sb + h * ks_sh
-    vw_row = vw_ptr + b * vw_sb + h * vw_sh
-    vs_row = vs_ptr + b * vs_sb + h * vs_sh
-    vz_row = vz_ptr + b * vs_sb + h * vs_sh
+    rows = (kw_ptr + b * kw_sb + h * (kw_sh4 * 4), ks_ptr + b * ks_sb + h * ks_sh, kz_ptr + b * ks_sb + h * ks_sh,
+            vw_ptr + b * vw_sb + h * (vw_sh4 * 4), vs_ptr + b * vs_sb + h * (vs_sh2 * 2),
+            vz_ptr + b * vs_sb + h * (vs_sh2 * 2))
+    kw_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
+    ks_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
+    kz_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
+    va_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
+    vb_s = gl.allocate_shared_memory(gl.int32, [2, 64, 4], SMEM2)
+    vs_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
+    vz_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
+    bufs = (kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s)
+    last = gl.maximum(hi - 64, 0)  # a prefetch past the split's end reads its last tile again (or slot 0)
+    _issue(bufs, rows, 0, gl.minimum(lo, last), kw_ss, ks_ss, vw_ss, vs_ss)
 
-    # the query (permuted ranks, scaled, base 2) as the B operand [64, 8]
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     q = gl.load(q_ptr + bh * 512 + c[None, :] * 64 + r[:, None])
-
-    # key rows: [8 slots, 8 words] offsets of rows g (words of slot g, lane t holds 2t, 2t + 1)
-    kg = gl.arange(0, 8, layout=gl.SliceLayout(1, KEY_WORDS))
+    # the prmt selector of each key word's group (words 0-3: the scale word's low half, 4-7: its high half)
     kwd = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS))
-    k_off = kg[:, None] * kw_ss + kwd[None, :]
+    selector = gl.expand_dims(gl.where(kwd >= 4, 0x3232, 0x1010), 0)
     lg = gl.arange(0, 8, layout=gl.SliceLayout(1, LANES))
     lt = gl.arange(0, 4, layout=gl.SliceLayout(0, LANES))
-    ks_off = lg[:, None] * ks_ss + (lt // 2)[None, :]
-    # values: lane (g, t): ints (g % 2) * 4 + g // 2 and that + 4 of slots 2t, 2t + 1, 2t + 8, 2t + 9
-    v_int = (lg % 2) * 4 + lg // 2
-    v_off = (2 * lt)[None, :] * vw_ss + v_int[:, None]            # slot 2t
     v_shift = ((lg % 2) * 16)[:, None] + 0 * lt[None, :]
-    vs_off = (2 * lt)[None, :] * vs_ss + (lg // 2)[:, None]
-    rows = (kw_row, ks_row, kz_row, vw_row, vs_row, vz_row)
-    offsets = (k_off, ks_off, v_off, vs_off)
+    # the prmt selector of a value block's scales in their word: blocks 0 and 2 the low halves, 1 and 3 the high
+    v_selector = gl.where((lg // 2) % 2 == 1, 0x7632, 0x5410)[:, None] + 0 * lt[None, :]
 
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)  # per-row sums, added over rows at the end
+    l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
     slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     mask_row = mask_ptr + b * mask_sb
@@ -309,17 +377,20 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
             m_i = gl.max(scores, axis=0)
             l_rows = _ex2(scores - _finite(m_i)[None, :])
             acc = mma_v2(values, gl.convert_layout(l_rows.to(gl.float16), B_OP), acc)
+    stage = 0
     for s0 in range(lo, hi, 64):
-        t0 = _load(rows, s0 + 0, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
-        t1 = _load(rows, s0 + 16, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
-        t2 = _load(rows, s0 + 32, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
-        t3 = _load(rows, s0 + 48, offsets, kw_ss, ks_ss, vw_ss, vs_ss)
-        sc0 = mma_v2(_keys(t0), q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        if SINKS > 0:  # the sinks' codes: their exact copies came first
+        async_copy.wait_group(0)
+        _barrier()  # every lane's copies landed, and every lane is done reading the other stage
+        _issue(bufs, rows, 1 - stage, gl.minimum(s0 + 64, last), kw_ss, ks_ss, vw_ss, vs_ss)
+        kw_t = kw_s.index(stage)
+        ks_t = ks_s.index(stage)
+        kz_t = kz_s.index(stage)
+        sc0 = mma_v2(_keys(kw_t, ks_t, kz_t, 0, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        if SINKS > 0:
             sc0 = gl.where((s0 + slot >= SINKS)[:, None], sc0, -float("inf"))
-        sc1 = mma_v2(_keys(t1), q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc2 = mma_v2(_keys(t2), q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc3 = mma_v2(_keys(t3), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc1 = mma_v2(_keys(kw_t, ks_t, kz_t, 16, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc2 = mma_v2(_keys(kw_t, ks_t, kz_t, 32, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        sc3 = mma_v2(_keys(kw_t, ks_t, kz_t, 48, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         if HAS_MASK:
             sc0 = _masked(sc0, mask_row, s0, slot, mask_ss)
             sc1 = _masked(sc1, mask_row, s0 + 16, slot, mask_ss)
@@ -327,7 +398,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
             sc3 = _masked(sc3, mask_row, s0 + 48, slot, mask_ss)
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), axis=0))
         m_use = m_new
-        if HAS_MASK:  # no slot seen yet (m_new -inf): exponents against 0, not -inf - -inf
+        if HAS_MASK:
             m_use = _finite(m_new)
         alpha = _ex2(m_i - m_use)
         p0 = _ex2(sc0 - m_use[None, :])
@@ -337,12 +408,21 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         l_rows = l_rows * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         acc = acc * alpha[None, :]
         m_i = m_new
-        acc = mma_v2(_values(t0, v_shift), gl.convert_layout(p0.to(gl.float16), B_OP), acc)
-        acc = mma_v2(_values(t1, v_shift), gl.convert_layout(p1.to(gl.float16), B_OP), acc)
-        acc = mma_v2(_values(t2, v_shift), gl.convert_layout(p2.to(gl.float16), B_OP), acc)
-        acc = mma_v2(_values(t3, v_shift), gl.convert_layout(p3.to(gl.float16), B_OP), acc)
+        va_t = va_s.index(stage)
+        vb_t = vb_s.index(stage)
+        vs_t = vs_s.index(stage)
+        vz_t = vz_s.index(stage)
+        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 0, v_shift, v_selector),
+                     gl.convert_layout(p0.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 16, v_shift, v_selector),
+                     gl.convert_layout(p1.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 32, v_shift, v_selector),
+                     gl.convert_layout(p2.to(gl.float16), B_OP), acc)
+        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 48, v_shift, v_selector),
+                     gl.convert_layout(p3.to(gl.float16), B_OP), acc)
+        stage = 1 - stage
+    async_copy.wait_group(0)
 
-    # the partials, the context's channels in the cache's order
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row = (bh * row_splits + split) * GROUP_HEADS + cols
     ok = cols < GROUP_HEADS

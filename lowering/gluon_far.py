@@ -9,20 +9,21 @@ import torch
 from .launch import launch
 
 BLOCK = 64  # slots per iteration of a program
-# 128 registers a thread: 16 one-warp programs a multiprocessor, no spill (uncapped it takes 134 and ran 15-20% slower
-# on an H100); 16 splits fill the H100 at batch 16 and 8 KV heads (docs/gpu-notes.md)
-MAX_REGISTERS = 128
-RESIDENT = 16  # one-warp programs a multiprocessor at MAX_REGISTERS
 RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit keys, 3-bit values, per-token groups)
+# programs a multiprocessor the far loop's splits aim at (one wave). A one-warp program holds 13 KB of shared memory
+# (two stages of 64 slots), so 16 would fit. On an H100, with the codes loaded straight into registers (no stages), 16
+# suited Llama-3-8B's shape and 12 Llama-2-7B's (MHA: 545 -> 416 us at 16K and batch 16); on an H200 with the stages,
+# 12 suits both (below, `registers`; docs/gpu-notes.md)
+WAVE = 12
 
 
-def wave(group: int) -> int:
-    """Programs a multiprocessor the far loop's splits aim at for `group` query heads a KV head: every resident
-    one, but three in four where each KV head serves one query head. Budget 0.2 w1024 on an H100, the far loop's time
-    at 16 and at 12 programs a multiprocessor: Llama-2-7B (MHA) 545 -> 416 us at 16K and batch 16, 238 -> 210 at
-    batch 8, 576 -> 467 at 64K and batch 4; Llama-3-8B (4 query heads a KV head) 97.0 -> 103.6 at 16K and batch 16
-    (docs/gpu-notes.md)."""
-    return RESIDENT if group > 1 else RESIDENT * 3 // 4
+def registers(group: int) -> int:
+    """Registers a thread of the far loop for `group` query heads a KV head (no spill at either): 168 where a KV head
+    serves several (12 programs a multiprocessor fit), 128 where it serves one. The decode step on an H200 (budget 0.2
+    w1024, ms at 16K and batch 16 / 64K and batch 4): Llama-3-8B 0.114 / 0.122 at 128 registers and 16 programs a
+    multiprocessor, 0.110 / 0.112 at 168 and 12, 0.111 / 0.112 at 255 and 8; Llama-2-7B 0.355 / 0.305 at 128 and 12,
+    0.362 / 0.359 at 168 and 9, 0.362 / 0.371 at 255 and 6."""
+    return 168 if group > 1 else 128
 
 
 @functools.cache
@@ -56,33 +57,37 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     rows = far_hi.numel() // kv_heads  # the step's rows: the cache may hold more
     assert queries.shape[0] == rows * kv_heads, (tuple(queries.shape), rows, kv_heads)
     key_words, value_words = latent_k.view(torch.int32), latent_v.view(torch.int32)
-    kw_sb, kw_sh, kw_ss = _strides(key_words, 8)
-    ks_sb, ks_sh, ks_ss = _strides(k_scale, 2)
-    vw_sb, vw_sh, vw_ss = _strides(value_words, 12)
-    vs_sb, vs_sh, vs_ss = _strides(v_scale, 4)
-    if kw_sh % 2 or _strides(k_zero, 2) != (ks_sb, ks_sh, ks_ss) or _strides(v_zero, 4) != (vs_sb, vs_sh, vs_ss):
-        raise NotImplementedError(f"far loop: the key words' head stride ({kw_sh}) must be even and the zero points "
-                                  f"laid out as the scales (key scales {(ks_sb, ks_sh, ks_ss)}, zero points "
-                                  f"{_strides(k_zero, 2)}; value scales {(vs_sb, vs_sh, vs_ss)}, zero points "
-                                  f"{_strides(v_zero, 4)})")
     exact_k = k_exact if sinks else queries
     exact_v = v_exact if sinks else queries
     mask, mask_sb, mask_ss = _mask_strides(attn_mask, rows, queries)
+    kw_sb, kw_sh, kw_ss = _strides(key_words, 8)
+    vw_sb, vw_sh, vw_ss = _strides(value_words, 12)
+    scale_words = [side.view(torch.int32) for side in (k_scale, k_zero, v_scale, v_zero)]  # float16 pairs
+    ks_sb, ks_sh, ks_ss = _strides(scale_words[0], 1)
+    vs_sb, vs_sh, vs_ss = _strides(scale_words[2], 2)
+    if (kw_sh % 4 or vw_sh % 4 or vs_sh % 2 or _strides(scale_words[1], 1) != (ks_sb, ks_sh, ks_ss)
+            or _strides(scale_words[3], 2) != (vs_sb, vs_sh, vs_ss)):
+        raise NotImplementedError(f"far loop: the codes' head strides must be multiples of 16 bytes (key words "
+                                  f"{kw_sh}, value words {vw_sh}), the value scales' of 8 bytes ({2 * vs_sh} "
+                                  f"float16), and the zero points laid out as the scales (key scales "
+                                  f"{_strides(k_scale, 2)}, zero points {_strides(k_zero, 2)}; value scales "
+                                  f"{_strides(v_scale, 4)}, zero points {_strides(v_zero, 4)})")
     launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
-        key_words, k_scale, k_zero, value_words, v_scale, v_zero, exact_k, exact_v, queries, far_hi, mask, part_max,
-        part_sum, part_acc, kw_sb, kw_sh // 2, ks_sb, ks_sh, vw_sb, vw_sh, vs_sb, vs_sh, exact_k.stride(0),
+        key_words, *scale_words[:2], value_words, *scale_words[2:], exact_k, exact_v, queries, far_hi, mask, part_max,
+        part_sum, part_acc, kw_sb, kw_sh // 4, ks_sb, ks_sh, vw_sb, vw_sh // 4, vs_sb, vs_sh // 2, exact_k.stride(0),
         exact_k.stride(1) if sinks else 0, exact_v.stride(0), exact_v.stride(1) if sinks else 0, mask_sb, splits,
         row_splits),
         dict(kw_ss=kw_ss, ks_ss=ks_ss, vw_ss=vw_ss, vs_ss=vs_ss, mask_ss=mask_ss, KV_HEADS=kv_heads,
-             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, num_warps=1, maxnreg=MAX_REGISTERS))
+             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, num_warps=1, maxnreg=registers(group)))
 
 
 def _strides(tensor, per_head):
     """(row, KV head, slot) strides, in elements, of one of a side's tensors as the far loop reads it: the cache's
     row layout [rows, slots, kv_heads * per_head] (every KV head of a slot in one row), or a view [rows, slots,
     kv_heads, per_head] with a last stride of 1, such as head-major storage (each KV head's slots in one run:
-    `benchmarks/far_loop.py` times both). The codes are read as int32 words (their byte strides and offset multiples
-    of 4, the key words' head stride even: `far_splits` refuses others), the zero points with the scales' strides."""
+    `benchmarks/far_loop.py` times both). Codes, scales and zero points are read as int32 words (their byte strides
+    and offsets multiples of 4; the codes' head strides of 16 bytes and the value scales' of 8: `far_splits` refuses
+    others), the zero points with the scales' strides."""
     if tensor.dim() == 4:
         return tensor.stride(0), tensor.stride(2), tensor.stride(1)
     return tensor.stride(0), per_head, tensor.stride(1)

@@ -26,47 +26,55 @@ def test_channel_orders_are_permutations():
 
 _COMPILE = """
 import json
+import re
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from lrkv_compile.kernels import gluon_far
-from lrkv_compile.lowering.gluon_far import MAX_REGISTERS
+from lrkv_compile.lowering.gluon_far import registers
 
-signature = {name: "*i32" if name in ("kw_ptr", "vw_ptr", "far_hi_ptr") else "*fp16"
+signature = {name: "*fp16" if name in ("kx_ptr", "vx_ptr", "q_ptr") else "*i32"
              for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "kx_ptr", "vx_ptr", "q_ptr",
                           "far_hi_ptr")}
 signature["mask_ptr"] = "*i1"
 signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
-signature.update({name: "i32" for name in ("kw_sb", "kw_sh2", "ks_sb", "ks_sh", "vw_sb", "vw_sh", "vs_sb", "vs_sh",
+signature.update({name: "i32" for name in ("kw_sb", "kw_sh4", "ks_sb", "ks_sh", "vw_sb", "vw_sh4", "vs_sb", "vs_sh2",
                                            "kx_sb", "kx_ss", "vx_sb", "vx_ss", "mask_sb", "splits", "row_splits")})
-constants = dict(kw_ss=64, ks_ss=16, vw_ss=96, vs_ss=32, mask_ss=1, KV_HEADS=8, GROUP_HEADS=4, SINKS=4,
+constants = dict(kw_ss=8, ks_ss=1, vw_ss=12, vs_ss=2, mask_ss=1, KV_HEADS=8, GROUP_HEADS=4, SINKS=4,
                  HAS_MASK=sys.argv[1] == "mask")
 signature.update({name: "constexpr" for name in constants})
 names = list(signature)
+aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names if name.endswith(("_ptr", "_sb"))}
 source = GluonASTSource(gluon_far.far_kernel, signature,
-                        constexprs={(names.index(name),): value for name, value in constants.items()})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": MAX_REGISTERS})
+                        constexprs={(names.index(name),): value for name, value in constants.items()}, attrs=aligned)
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": registers(4)})
 ptx = compiled.asm["ptx"]
-print(json.dumps(dict(shared=compiled.metadata.shared, barriers=ptx.count("bar.sync"),
-                      shared_stores=ptx.count("st.shared"), products=ptx.count("mma.sync.aligned.m16n8k16"))))
+print(json.dumps(dict(shared=compiled.metadata.shared, shared_stores=ptx.count("st.shared"),
+                      copies=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global", ptx)),
+                      wide_copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global.*, 0x10", ptx)),
+                      products=ptx.count("mma.sync.aligned.m16n8k16"))))
 """
 
 
 @pytest.mark.parametrize("mask", ["mask", "no mask"])
-def test_compiles_for_hopper_without_shared_memory(mask):
+def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask):
     """The layouts' conversions are asserted trivial at compile time, so a compile is the check that the codes
-    land in the products' operands without data movement; the loop keeps no shared memory and no barrier, with the
-    boolean mask of a model's decode step or without one. Compiled for sm_90 in a process of its own: under
-    Triton's interpreter (the tests' CPU setting) Gluon's builtins are interpreted functions, which its compiler
-    refuses."""
+    land in the products' operands without data movement: shared memory holds the two stages of copied tiles (104
+    bytes a slot) and nothing else (no st.shared: no conversion goes through it), the codes come by 16-byte copies
+    where the cache is aligned (head-major, as LatentCache stores them), with the boolean mask of a model's decode
+    step or without one. Compiled for sm_90 in a process of its own: under Triton's interpreter (the tests' CPU
+    setting) Gluon's builtins are interpreted functions, which its compiler refuses."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, mask], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    # per 64 slots 4 x (4 + 8) products, and the sinks' tile's 4 + 8
-    assert facts == dict(shared=0, barriers=0, shared_stores=0, products=4 * 4 + 4 * 8 + 4 + 8)
+    # per 64 slots 4 x (4 + 8) products, and the sinks' tile's 4 + 8; two places issue a tile's copies, each with
+    # 10 of 16 bytes a lane (key and value codes)
+    assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
+    assert facts["shared_stores"] == 0 and facts["products"] == 4 * 4 + 4 * 8 + 4 + 8
+    assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
 
 
 def _cache(rows, slots, kv_heads, generator):
@@ -124,7 +132,8 @@ def test_the_launch_covers_the_rows_of_the_step_not_of_the_cache(monkeypatch):
 
 def test_the_launch_reads_each_layout_by_its_strides(monkeypatch):
     """The row layout's strides as the cache lays them out, and a head-major view's own: (row, KV head, slot) of the
-    key words (the head's halved), key scales, value words and value scales, then the slot strides as constants."""
+    key words, key scales, value words and value scales, all as int32 words (the codes' head strides in fours, the
+    value scales' in twos), then the slot strides as constants."""
     launched = []
     monkeypatch.setattr(lowering_far, "launch", lambda kernel, grid, args, constants: launched.append((args,
                                                                                                        constants)))
@@ -138,12 +147,12 @@ def test_the_launch_reads_each_layout_by_its_strides(monkeypatch):
                    row_splits=splits, part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
                    kv_heads=kv_heads, group=4)
     (row_args, row_constants), (head_args, head_constants) = launched
-    # int32 key words and value words, float16 scales: per slot 2 x 8, 2 x 2, 2 x 12 and 2 x 4 of them
-    assert row_args[14:22] == (slots * 16, 4, slots * 4, 2, slots * 24, 12, slots * 8, 4)
-    assert [row_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [16, 4, 24, 8]
-    assert head_args[14:22] == (slots * 16, slots * 4, slots * 4, slots * 2, slots * 24, slots * 12, slots * 8,
-                                slots * 4)
-    assert [head_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [8, 2, 12, 4]
+    # int32 words: per slot 2 x 8 of key codes, 2 x 1 of key scales, 2 x 12 of value codes, 2 x 2 of value scales
+    assert row_args[14:22] == (slots * 16, 8 // 4, slots * 2, 1, slots * 24, 12 // 4, slots * 4, 2 // 2)
+    assert [row_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [16, 2, 24, 4]
+    assert head_args[14:22] == (slots * 16, slots * 8 // 4, slots * 2, slots, slots * 24, slots * 12 // 4, slots * 4,
+                                slots * 2 // 2)
+    assert [head_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [8, 1, 12, 2]
 
 
 def test_the_launch_refuses_zero_points_laid_out_unlike_their_scales(monkeypatch):
