@@ -6,7 +6,7 @@ not its work), so its time is a floor for that plan's kernel, not the kernel: pr
 count, the Triton kernel's whole step, the device's copy bandwidth, and writes benchmarks/results/far-loop-<gpu>.json.
 Each split count is timed over the cache's row layout (every KV head of a slot in one row) and over a head-major copy
 of the same bytes (each KV head's slots in one run, as views [rows, slots, kv_heads, per KV head]), the same kernel
-with other strides: what storing the cache head-major would give (docs/gpu-notes.md).
+with other strides: head-major is how `LatentCache` stores this layout (docs/gpu-notes.md).
 """
 import json
 import os

@@ -16,16 +16,17 @@ One warp per program owns its slots from codes to context. Per 16 slots, transpo
 scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and ctxT [128 channels, 8] += VT [128 channels,
 16 slots] @ pT [16 slots, 8]; four such groups per iteration of 64 slots share one online-softmax update, their values
 dequantized after it, each just before its product. Each 64-slot tile's codes, scales and zero points come into
-shared memory by cp.async while the tile before it is computed (two stages, 13 KB a program; the warp waits on its
-own copies and one barrier a tile, with no other warp to wait for), so a warp's loads overlap its compute: with the
-codes loaded straight into registers, every warp waited on its own loads once a tile (docs/gpu-notes.md). From
-shared memory the codes load straight into the operands' layouts: lane (g, t) reads int32 words 2t and 2t + 1 of the
-key codes of slots g and g + 8, and the three words of value codes of block g // 2 (channels 32 (g // 2) ..) of
-slots 2t, 2t + 1, 2t + 8 and 2t + 9, of which it takes the 48 bits of channels 16g .. 16g + 15; PTX turns them into
-float16 two at a time (a key word's codes i and i + 4, one value channel of two slots), and joins, a reshape and a
-permute give the operands' layouts, which convert_layout asserts need no data movement. So the operands' ranks and
-channels are permuted: `key_rank_channels` and `value_channels` say which cache channel each holds; the queries come
-permuted, the context is stored in the cache's order.
+shared memory by cp.async while the tile before it is computed (two stages, 13 KB a program). The warp waits on its
+own copies and on two barriers a tile (the second is Triton's own, before the first shared-memory read), with no
+other warp to wait for. So a warp's loads overlap its compute; with the codes loaded straight into registers, every
+warp waited on its own loads once a tile (docs/gpu-notes.md). From shared memory the codes load straight into the
+operands' layouts: lane (g, t) reads int32 words 2t and 2t + 1 of the key codes of slots g and g + 8, and the three
+words of value codes of block g // 2 (channels 32 (g // 2) ..) of slots 2t, 2t + 1, 2t + 8 and 2t + 9, of which it
+takes the 48 bits of channels 16g .. 16g + 15. PTX turns them into float16 two at a time (a key word's codes i and
+i + 4, one value channel of two slots), and joins, a reshape and a permute give the operands' layouts, which
+convert_layout asserts need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels`
+and `value_channels` say which cache channel each holds; the queries come permuted, the context is stored in the
+cache's order.
 """
 import struct
 
@@ -45,12 +46,13 @@ def _half2(value: float) -> str:
     return f"0x{bits:04x}{bits:04x}"
 
 
-def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=()) -> str:
+def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=()) -> str:
     """PTX turning codes into float16 latents two at a time. Output pair k (outputs 2k and 2k + 1, the low and high
     halves of a register) takes its codes at bit shifts[k] of each 16-bit half of a register: pairs[k] = (selector,
     x, y) gathers it by prmt from registers x and y, or (None, x, None) takes register x as it is. lop3 masks the
     code into the mantissa of 1024, an exact fma takes 1024 away and divides by 2^shift, a last fma applies the
-    (scale, zero point) pairs s2 and z2 that the lines `scales` set (after `prologue`)."""
+    (scale, zero point) pairs s2 and z2 that the lines `scales` set (after `prologue`, whose own registers are
+    `registers` and `predicates`)."""
     lines = [*prologue, *scales]
     for shift in sorted(set(shifts)):  # f16x2 operands are registers
         lines.append(f"mov.b32 m{shift}, {_half2(2.0 ** -shift)};")
@@ -69,7 +71,8 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=()) -> str:
         lines.append("fma.rn.f16x2 t, t, s2, z2;")
         lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;")
     names = ", ".join([*(f"m{shift}, a{shift}" for shift in sorted(set(shifts))), *registers])
-    return ("{\n.reg .pred p;\n.reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
+    declared = "".join(f".reg .pred {name};\n" for name in predicates)
+    return ("{\n" + declared + ".reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
             + "\n}")
 
 
@@ -107,7 +110,7 @@ def _value_asm() -> str:
                 "shf.r.wrap.b32 y1, v0, v1, $38;", "shr.u32 w, v1, $38;",      # B's 48 bits: y1, then w
                 "shf.r.wrap.b32 w, y1, w, 24;", "mov.b32 y0, w;"]              # B's word 1 in y0 (prmt takes w)
     return _pairs_asm(*_value_pairs(), 3, ["prmt.b32 s2, $39, $40, $43;", "prmt.b32 z2, $41, $42, $43;"], prologue,
-                      ["u0", "u1", "v0", "v1"])
+                      ["u0", "u1", "v0", "v1"], ["p"])
 
 
 KEY_ASM = gl.constexpr(_key_asm())
@@ -347,8 +350,9 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     vs_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
     vz_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
     bufs = (kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s)
-    last = gl.maximum(hi - 64, 0)  # a prefetch past the split's end reads its last tile again (or slot 0)
-    _issue(bufs, rows, 0, gl.minimum(lo, last), kw_ss, ks_ss, vw_ss, vs_ss)
+    last = hi - 64  # a prefetch past the split's end reads its last tile again
+    if hi > lo:  # an empty split reads nothing
+        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss)
 
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))

@@ -67,9 +67,9 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     vs_sb, vs_sh, vs_ss = _strides(scale_words[2], 2)
     if (kw_sh % 4 or vw_sh % 4 or vs_sh % 2 or _strides(scale_words[1], 1) != (ks_sb, ks_sh, ks_ss)
             or _strides(scale_words[3], 2) != (vs_sb, vs_sh, vs_ss)):
-        raise NotImplementedError(f"far loop: the codes' head strides must be multiples of 16 bytes (key words "
-                                  f"{kw_sh}, value words {vw_sh}), the value scales' of 8 bytes ({2 * vs_sh} "
-                                  f"float16), and the zero points laid out as the scales (key scales "
+        raise NotImplementedError(f"far loop: the codes' head strides must be multiples of 16 bytes (key codes "
+                                  f"{4 * kw_sh} bytes, value codes {4 * vw_sh}), the value scales' of 8 bytes "
+                                  f"({4 * vs_sh}), and the zero points laid out as the scales (key scales "
                                   f"{_strides(k_scale, 2)}, zero points {_strides(k_zero, 2)}; value scales "
                                   f"{_strides(v_scale, 4)}, zero points {_strides(v_zero, 4)})")
     launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
@@ -178,11 +178,11 @@ def far_partials(latent_k, k_scale, k_zero, latent_v, v_scale, v_zero, query, sp
                                    ("latent_v", latent_v, 48), ("v_scale", v_scale, 4), ("v_zero", v_zero, 4)):
         if tensor.dim() == 4:  # a view [rows, slots, kv_heads, per_head], e.g. of head-major storage
             _check(name, tensor, (rows, slots, kv_heads, per_head))
-            words = tensor.dtype == torch.uint8  # codes: read as int32 words
-            if tensor.stride(3) != 1 or (words and any(x % 4 for x in (*tensor.stride()[:3], tensor.storage_offset()))):
+            per_word = 4 if tensor.dtype == torch.uint8 else 2  # codes and float16 scales: read as int32 words
+            if tensor.stride(3) != 1 or any(x % per_word for x in (*tensor.stride()[:3], tensor.storage_offset())):
                 raise NotImplementedError(f"far loop: {name}'s view has strides {tensor.stride()} and offset "
-                                          f"{tensor.storage_offset()}: a last stride of 1 only, and for codes the "
-                                          f"others and the offset whole 4-byte words")
+                                          f"{tensor.storage_offset()}: a last stride of 1 only, and the others and "
+                                          f"the offset whole 4-byte words")
             continue
         _check(name, tensor, (rows, slots, kv_heads * per_head))
         if not tensor.is_contiguous():

@@ -41,39 +41,43 @@ signature["mask_ptr"] = "*i1"
 signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
 signature.update({name: "i32" for name in ("kw_sb", "kw_sh4", "ks_sb", "ks_sh", "vw_sb", "vw_sh4", "vs_sb", "vs_sh2",
                                            "kx_sb", "kx_ss", "vx_sb", "vx_ss", "mask_sb", "splits", "row_splits")})
-constants = dict(kw_ss=8, ks_ss=1, vw_ss=12, vs_ss=2, mask_ss=1, KV_HEADS=8, GROUP_HEADS=4, SINKS=4,
+group = int(sys.argv[2])
+constants = dict(kw_ss=8, ks_ss=1, vw_ss=12, vs_ss=2, mask_ss=1, KV_HEADS=8, GROUP_HEADS=group, SINKS=4,
                  HAS_MASK=sys.argv[1] == "mask")
 signature.update({name: "constexpr" for name in constants})
 names = list(signature)
 aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names if name.endswith(("_ptr", "_sb"))}
 source = GluonASTSource(gluon_far.far_kernel, signature,
                         constexprs={(names.index(name),): value for name, value in constants.items()}, attrs=aligned)
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": registers(4)})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": registers(group)})
 ptx = compiled.asm["ptx"]
 print(json.dumps(dict(shared=compiled.metadata.shared, shared_stores=ptx.count("st.shared"),
+                      barriers=ptx.count("bar.sync"),
                       copies=len(re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global", ptx)),
                       wide_copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global.*, 0x10", ptx)),
                       products=ptx.count("mma.sync.aligned.m16n8k16"))))
 """
 
 
-@pytest.mark.parametrize("mask", ["mask", "no mask"])
-def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask):
+@pytest.mark.parametrize("mask, group", [("mask", 4), ("no mask", 4), ("no mask", 1)])
+def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     """The layouts' conversions are asserted trivial at compile time, so a compile is the check that the codes
     land in the products' operands without data movement: shared memory holds the two stages of copied tiles (104
     bytes a slot) and nothing else (no st.shared: no conversion goes through it), the codes come by 16-byte copies
-    where the cache is aligned (head-major, as LatentCache stores them), with the boolean mask of a model's decode
-    step or without one. Compiled for sm_90 in a process of its own: under Triton's interpreter (the tests' CPU
-    setting) Gluon's builtins are interpreted functions, which its compiler refuses."""
+    (the scales by 8- and 4-byte ones), a tile waits on two barriers (the loop's and Triton's own before the first
+    read of shared memory) and the loop's end on a third, with the boolean mask of a model's decode step or without
+    one, at the register counts of both kinds of KV heads (`gluon_far.registers`). Compiled for sm_90 in a process
+    of its own: under Triton's interpreter (the tests' CPU setting) Gluon's builtins are interpreted functions, which
+    its compiler refuses."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, mask], capture_output=True, text=True, env=env,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILE, mask, str(group)], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     # per 64 slots 4 x (4 + 8) products, and the sinks' tile's 4 + 8; two places issue a tile's copies, each with
     # 10 of 16 bytes a lane (key and value codes)
     assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
-    assert facts["shared_stores"] == 0 and facts["products"] == 4 * 4 + 4 * 8 + 4 + 8
+    assert facts["shared_stores"] == 0 and facts["products"] == 4 * 4 + 4 * 8 + 4 + 8 and facts["barriers"] == 3
     assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
 
 
@@ -104,6 +108,51 @@ def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, lay
     assert m.shape[2] == math.ceil(slots / (math.ceil(slots / splits / 64) * 64))
     got = combine(m, l, ctx)
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
+                                       "the CPU compiles them for sm_90 above")
+@pytest.mark.parametrize("far_end", [128, 0])
+def test_empty_splits_write_empty_partials(far_end):
+    """Splits past the row's far slots (four splits of 64 slots over 128 far slots, or none far) read nothing and
+    write what the reference writes for them: a maximum of -inf, a sum and a context of 0."""
+    rows, slots, kv_heads, group, splits = 2, 256, 2, 4, 4
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
+        head_major(t.cuda(), kv_heads) for t in _cache(rows, slots, kv_heads, torch.Generator().manual_seed(3)))
+    queries = lowering_far.kernel_queries((torch.randn(rows, kv_heads, group, 64) * 0.2).half().cuda())
+    far_hi = torch.full((rows * kv_heads,), far_end, dtype=torch.int32, device="cuda")
+    outputs = []
+    for launcher in (far_splits, lowering_far.reference_far_splits):
+        m, l = (torch.full((rows, kv_heads, splits, group), 7.0, device="cuda") for _ in "ml")
+        ctx = torch.full((rows, kv_heads, splits, group, 128), 7.0, device="cuda")
+        launcher(latent_k=k_codes, k_scale=k_scale, k_zero=k_zero, k_exact=None, latent_v=v_codes, v_scale=v_scale,
+                 v_zero=v_zero, v_exact=None, queries=queries, far_hi=far_hi, sinks=0, splits=splits,
+                 row_splits=splits, part_max=m, part_sum=l, part_acc=ctx, kv_heads=kv_heads, group=group)
+        outputs.append((m, l, ctx))
+    (m, l, ctx), expected = outputs
+    empty = slice(far_end // 64, None)
+    assert torch.all(m[:, :, empty] == -math.inf) and torch.all(l[:, :, empty] == 0)
+    assert torch.all(ctx[:, :, empty] == 0)
+    torch.testing.assert_close(m, expected[0], rtol=1e-2, atol=1e-2)  # float16 codes and products against float32
+    torch.testing.assert_close(l, expected[1], rtol=1e-2, atol=1e-2)
+    assert (ctx - expected[2]).abs().max() <= 1e-2 * expected[2].abs().max()
+
+
+def test_refuses_codes_whose_head_stride_is_not_whole_16_bytes():
+    """The copies move a KV head's codes 16 bytes at a time from an address they know to be aligned: a view whose
+    heads lie 36 bytes apart is refused with what it needs, not read wrong."""
+    rows, slots, kv_heads = 1, 64, 2
+    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = _cache(rows, slots, kv_heads, torch.Generator().manual_seed(0))
+    padded = torch.zeros(rows, slots, kv_heads, 36, dtype=torch.uint8)
+    padded[..., :32] = k_codes.view(rows, slots, kv_heads, 32)
+    part = torch.empty(rows * kv_heads * 4)
+    with pytest.raises(NotImplementedError, match="multiples of 16 bytes .key codes 36 bytes"):
+        far_splits(latent_k=padded[..., :32], k_scale=k_scale, k_zero=k_zero, k_exact=None, latent_v=v_codes,
+                   v_scale=v_scale, v_zero=v_zero, v_exact=None,
+                   queries=torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16),
+                   far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32), sinks=0, splits=1, row_splits=1,
+                   part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
+                   kv_heads=kv_heads, group=4)
 
 
 def test_refuses_what_it_does_not_read():
