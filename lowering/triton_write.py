@@ -66,16 +66,15 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
         write_positions = name == "k" and new_positions is not None
         source = new_positions if write_positions else positions
         quantized = bits != 16
-        blocks = latent.shape[2] if latent.dim() == 4 else 1
+        by_blocks = bool(const["STORED"])  # stored apart (`quantize.by_blocks`), checked by _side_constants
         launch(kernels.latent_write_kernel, (batch, tokens), (
             new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
-            latent.stride(2) if blocks > 1 else 0, scale if quantized else latent, zero if quantized else latent,
+            latent.stride(2) if by_blocks else 0, scale if quantized else latent, zero if quantized else latent,
             scale.stride(0) if quantized else 0, scale.stride(1) if quantized else 0,
-            scale.stride(2) if blocks > 1 else 0,
+            scale.stride(2) if by_blocks else 0,
             exact if exact.numel() else latent, exact.stride(0) if exact.numel() else 0,
             exact.stride(1) if exact.numel() else 0, length, tokens, latent.shape[1], sinks,
             exact.shape[1] - sinks if exact.numel() else 0,
             positions, positions.stride(0), source,
             source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
-            dict(**const, HAS_EXACT=bool(exact.numel()),
-                 WRITE_POSITIONS=write_positions))
+            dict(**const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions))

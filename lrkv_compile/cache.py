@@ -170,13 +170,13 @@ class LatentCache(Cache):
             quantized = layout.bits != 16
             # a quantized side of a block-diagonal factor stored by blocks where it can be (head-major: each KV
             # head's codes in one run, `quantize.by_blocks`), else as rows
-            apart = stored_blocks(layout.bits, layout.group, layout.axis, layout.outliers, rank, blocks)
+            stored = stored_blocks(layout.bits, layout.group, layout.axis, layout.outliers, rank, blocks)
 
             def empty():  # one per buffer: the ops mutate them, so no two may alias
                 return torch.zeros(0, dtype=torch.float16, device=device)
-            return (by_blocks(max_batch_size, slots, latents, apart, torch.uint8 if quantized else dtype, device),
-                    by_blocks(max_batch_size, rows, groups, apart, torch.float16, device) if quantized else empty(),
-                    by_blocks(max_batch_size, rows, groups, apart, torch.float16, device) if quantized else empty(),
+            return (by_blocks(max_batch_size, slots, latents, stored, torch.uint8 if quantized else dtype, device),
+                    by_blocks(max_batch_size, rows, groups, stored, torch.float16, device) if quantized else empty(),
+                    by_blocks(max_batch_size, rows, groups, stored, torch.float16, device) if quantized else empty(),
                     torch.zeros(max_batch_size, layout.exact_slots, rank, dtype=exact_dtype(dtype), device=device)
                     if quantized and layout.exact_slots else empty())
 
