@@ -26,7 +26,8 @@ takes the 48 bits of channels 16g .. 16g + 15. PTX turns them into float16 two a
 i + 4, one value channel of two slots), and joins, a reshape and a permute give the operands' layouts, which
 convert_layout asserts need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels`
 and `value_channels` say which cache channel each holds; the queries come permuted, the context is stored in the
-cache's order.
+cache's order. Where a KV head serves one query head, the value scales and zero points go into the value product's
+B operand instead of into each code (`far_kernel`'s FOLD_VALUES).
 """
 import struct
 
@@ -52,9 +53,11 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=(
     x, y) gathers it by prmt from registers x and y, or (None, x, None) takes register x as it is. lop3 masks the
     code into the mantissa of 1024, an exact fma takes 1024 away and divides by 2^shift, a last fma applies the
     (scale, zero point) pairs s2 and z2 that the lines `scales` set (after `prologue`, whose own registers are
-    `registers` and `predicates`)."""
-    lines = [*prologue, *scales]
-    for shift in sorted(set(shifts)):  # f16x2 operands are registers
+    `registers` and `predicates`). With `scales` None an exact subtraction of 1024 leaves code * 2^shift, which the
+    folded value product takes as it is (`far_kernel`'s FOLD_VALUES)."""
+    raw = scales is None
+    lines = [*prologue, *(scales or ["mov.b32 o, 0x64006400;"])]
+    for shift in sorted(set(shifts)) if not raw else ():  # f16x2 operands are registers
         lines.append(f"mov.b32 m{shift}, {_half2(2.0 ** -shift)};")
         lines.append(f"mov.b32 a{shift}, {_half2(-1024.0 * 2.0 ** -shift)};")
     gathered = None
@@ -67,12 +70,15 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=(
                 gathered = (selector, x, y)
         mask = ((1 << bits) - 1) << shift
         lines.append(f"lop3.b32 t, {source}, {mask | mask << 16:#010x}, 0x64006400, 0xea;")
-        lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
-        lines.append("fma.rn.f16x2 t, t, s2, z2;")
+        if raw:
+            lines.append("sub.rn.f16x2 t, t, o;")
+        else:
+            lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
+            lines.append("fma.rn.f16x2 t, t, s2, z2;")
         lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;")
-    names = ", ".join([*(f"m{shift}, a{shift}" for shift in sorted(set(shifts))), *registers])
+    names = ", ".join([*(f"m{shift}, a{shift}" for shift in sorted(set(shifts)) if not raw), *registers])
     declared = "".join(f".reg .pred {name};\n" for name in predicates)
-    return ("{\n" + declared + ".reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
+    return ("{\n" + declared + ".reg .b32 o, s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
             + "\n}")
 
 
@@ -96,12 +102,12 @@ def _value_pairs():
     return pairs, shifts
 
 
-def _value_asm() -> str:
+def _value_asm(fold: bool = False) -> str:
     """Inputs $32 $33 $34 (int32 words 0, 1 and 2 of slot A's 32-channel block of codes), $35 $36 $37 (slot B's),
     $38 (the bit, 0 or 16, where the lane's 48 bits begin: words 0 and 1 from bit 0, or 1 and 2 from bit 16), $39 $40
     (the int32 words of A's and B's float16 scales that hold the block's), $41 $42 (their zero points'), $43 (the prmt
     selector of the block's halves: 0x5410 or 0x7632). Output pair 8X + i holds code i of 3-byte word X (of the 48
-    bits) of slot A, then of slot B."""
+    bits) of slot A, then of slot B. `fold`: no scale inputs, the outputs code * 2^((3 i) % 8) (`_pairs_asm`)."""
     prologue = ["setp.ne.u32 p, $38, 0;",
                 "selp.b32 u0, $33, $32, p;", "selp.b32 u1, $34, $33, p;",      # A's two words
                 "selp.b32 v0, $36, $35, p;", "selp.b32 v1, $37, $36, p;",      # B's
@@ -109,14 +115,19 @@ def _value_asm() -> str:
                 "shf.r.wrap.b32 x1, x0, y0, 24;",                              # A's word 1 at bit 0 of x1
                 "shf.r.wrap.b32 y1, v0, v1, $38;", "shr.u32 w, v1, $38;",      # B's 48 bits: y1, then w
                 "shf.r.wrap.b32 w, y1, w, 24;", "mov.b32 y0, w;"]              # B's word 1 in y0 (prmt takes w)
-    return _pairs_asm(*_value_pairs(), 3, ["prmt.b32 s2, $39, $40, $43;", "prmt.b32 z2, $41, $42, $43;"], prologue,
-                      ["u0", "u1", "v0", "v1"], ["p"])
+    scales = None if fold else ["prmt.b32 s2, $39, $40, $43;", "prmt.b32 z2, $41, $42, $43;"]
+    return _pairs_asm(*_value_pairs(), 3, scales, prologue, ["u0", "u1", "v0", "v1"], ["p"])
 
 
 KEY_ASM = gl.constexpr(_key_asm())
 VALUE_ASM = gl.constexpr(_value_asm())
 KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r,r,r,r")
 VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 12))
+RAW_VALUE_ASM = gl.constexpr(_value_asm(fold=True))
+RAW_VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 7))
+# the folded value product's B operand, p times a slot's scale (or zero point), two at a time
+SCALE_P_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
+FOLD_SHIFT = gl.constexpr(8)  # FOLD_VALUES' weights are 2^(score - max + 8), so that p * scale stays normal float16
 
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -156,6 +167,9 @@ COPY_4 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=
 COPY_2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
                                        order=[1, 0]))
 COPY_1 = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
+# FOLD_VALUES' value scales and zero points, float16 [64 slots, 4 groups] (8 bytes a lane a copy)
+COPY_H4 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
+                                        order=[1, 0]))
 
 
 @gluon.jit
@@ -234,8 +248,10 @@ def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
 
 @gluon.jit
 def _issue(bufs, rows, stage, s0, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
-           vs_ss: gl.constexpr):
-    """cp.async of the 64 slots from s0 into shared-memory stage `stage`, as one group."""
+           vs_ss: gl.constexpr, FOLD_VALUES: gl.constexpr):
+    """cp.async of the 64 slots from s0 into shared-memory stage `stage`, as one group. FOLD_VALUES: the value scales
+    and zero points are float16 (vs_row, vz_row) and land in one buffer (vs_s), a slot's four scales, then its four
+    zero points."""
     kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s = bufs
     kw_row, ks_row, kz_row, vw_row, vs_row, vz_row = rows
     s8 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_8))
@@ -245,10 +261,16 @@ def _issue(bufs, rows, stage, s0, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_s
     s4 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_4))
     w4 = gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_4))
     _copy(vb_s.index(stage), vw_row + s4[:, None] * vw_ss + (8 + w4)[None, :])
-    s2 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_2))
-    w2 = gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_2))
-    _copy(vs_s.index(stage), vs_row + s2[:, None] * vs_ss + w2[None, :])
-    _copy(vz_s.index(stage), vz_row + s2[:, None] * vs_ss + w2[None, :])
+    if FOLD_VALUES:
+        sh = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_H4))
+        wh = gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_H4))
+        _copy(vs_s.index(stage).slice(0, 4, dim=1), vs_row + sh[:, None] * (2 * vs_ss) + wh[None, :])
+        _copy(vs_s.index(stage).slice(4, 4, dim=1), vz_row + sh[:, None] * (2 * vs_ss) + wh[None, :])
+    else:
+        s2 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_2))
+        w2 = gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_2))
+        _copy(vs_s.index(stage), vs_row + s2[:, None] * vs_ss + w2[None, :])
+        _copy(vz_s.index(stage), vz_row + s2[:, None] * vs_ss + w2[None, :])
     s1 = s0 + gl.arange(0, 64, layout=COPY_1)
     _copy(ks_s.index(stage), ks_row + s1 * ks_ss)
     _copy(kz_s.index(stage), kz_row + s1 * ks_ss)
@@ -311,11 +333,53 @@ def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
 
 
 @gluon.jit
+def _raw_values(va_s, vb_s, r0: gl.constexpr, v_shift):
+    """VT [128 channels, 16 slots] as the A operand, code * 2^shift, from the stage's slots r0 .. r0 + 15
+    (FOLD_VALUES: the scales go into the B operand, `_scaled_weights`)."""
+    codes = gl.zeros([4, 2, 4], gl.int32, layout=LANES3)
+    va = va_s.slice(r0, 16)
+    j0a, j0b, j0c, j0d = _pairs(va.slice(0, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
+    j1a, j1b, j1c, j1d = _pairs(va.slice(4, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
+    j2a, j2b, j2c, j2d = _pairs(vb_s.slice(r0, 16).load(SLOT_PAIRS), codes, LANES3)
+    V0 = gl.inline_asm_elementwise(RAW_VALUE_ASM, RAW_VALUE_CONSTRAINTS, [j0a, j1a, j2a, j0b, j1b, j2b, v_shift],
+                                   dtype=(gl.float16,) * 32, is_pure=True, pack=1)
+    V1 = gl.inline_asm_elementwise(RAW_VALUE_ASM, RAW_VALUE_CONSTRAINTS, [j0c, j1c, j2c, j0d, j1d, j2d, v_shift],
+                                   dtype=(gl.float16,) * 32, is_pure=True, pack=1)
+    return _value_operand(V0, V1)
+
+
+@gluon.jit
+def _scaled_weights(p, vsz_s, r0: gl.constexpr):
+    """FOLD_VALUES' B operand [16 slots, 8]: column n < 4 the weights p [16 slots, 8] (every column the one query
+    head's) times value group n's scale of each slot, column 4 + n times its zero point (vsz_s: the stage's float16
+    [64 slots, 8], `_issue`)."""
+    weights = gl.convert_layout(p.to(gl.float16), B_OP)
+    scales = vsz_s.slice(r0, 16).load(B_OP)
+    return gl.inline_asm_elementwise(SCALE_P_ASM, "=r,r,r", [weights, scales], dtype=gl.float16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
+def _folded_product(acc, sums, ones, p, va_s, vb_s, vsz_s, r0: gl.constexpr, v_shift):
+    """FOLD_VALUES' value product of the stage's slots r0 .. r0 + 15 (weights p [16 slots, 8]) into the context acc
+    and the B operand's column sums."""
+    weights = _scaled_weights(p, vsz_s, r0)
+    return mma_v2(_raw_values(va_s, vb_s, r0, v_shift), weights, acc), mma_v2(ones, weights, sums)
+
+
+@gluon.jit
+def _value_shift(ch):
+    """The bit shift (within its 16-bit half) at which the value asm finds the code of operand row ch: code i of a
+    3-byte word lies at bit 3 i, i = (ch // 8) % 8 (_value_operand's joins)."""
+    return (3 * ((ch >> 3) & 7)) % 8
+
+
+@gluon.jit
 def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, mask_ptr, m_ptr,
                l_ptr, acc_ptr, kw_sb, kw_sh4, ks_sb, ks_sh, vw_sb, vw_sh4, vs_sb, vs_sh2, kx_sb, kx_ss, vx_sb, vx_ss,
                mask_sb, splits, row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
                vs_ss: gl.constexpr, mask_ss: gl.constexpr, KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr,
-               SINKS: gl.constexpr, HAS_MASK: gl.constexpr):
+               SINKS: gl.constexpr, HAS_MASK: gl.constexpr, FOLD_VALUES: gl.constexpr):
     """Partials of split program_id(1) (of `splits`) of (batch row, KV head) program_id(0) over the slots [0, end) of
     its batch row b, all of them far (end: the least of far_hi_ptr[b * KV_HEADS + h] over its KV heads h, rounded
     down to a multiple of 64; `latent_decode.far_prep_kernel`'s firsts): written as the decode kernel writes its
@@ -328,7 +392,17 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     heads, 8 columns, 64 ranks] float16: the latent queries in the ranks' order (key_rank_channels), zero columns
     past the query heads of a KV head. HAS_MASK: a boolean mask over the slots (mask_ptr + b * mask_sb + slot *
     mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
-    -inf, their sum 0)."""
+    -inf, their sum 0).
+
+    FOLD_VALUES (one query head a KV head, `lowering.gluon_far.folds_values`; vs_ptr and vz_ptr then float16, their
+    strides still in words): the value codes enter their product unscaled, as code * 2^shift (the code where the
+    value asm finds it), and the scales and zero points go into its B operand instead, in the columns the one query
+    head leaves free: column n < 4 holds the weights times value group n's scale, column 4 + n times its zero
+    point. A product of a row of ones with the same operand sums each column over the slots, so the context of a
+    channel of group n with shift s is (its column n) / 2^s + (the sum of column 4 + n), once at the end. That
+    saves one of the two operations per pair of codes of the values' dequantizing (the subtraction of 1024 stays:
+    left in, the product's float32 sums lost the codes' share of them). Its weights are 2^(score - max +
+    FOLD_SHIFT), so that weights times scales stay normal float16; sums and context are scaled back at the end."""
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // KV_HEADS
@@ -339,23 +413,30 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     per_split = (((n_far + splits - 1) // splits + 63) // 64) * 64
     lo = split * per_split
     hi = gl.minimum(lo + per_split, n_far)
+    vs_unit = 2 if FOLD_VALUES else 1  # elements a word of the value scales
     rows = (kw_ptr + b * kw_sb + h * (kw_sh4 * 4), ks_ptr + b * ks_sb + h * ks_sh, kz_ptr + b * ks_sb + h * ks_sh,
-            vw_ptr + b * vw_sb + h * (vw_sh4 * 4), vs_ptr + b * vs_sb + h * (vs_sh2 * 2),
-            vz_ptr + b * vs_sb + h * (vs_sh2 * 2))
+            vw_ptr + b * vw_sb + h * (vw_sh4 * 4), vs_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit,
+            vz_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit)
     kw_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
     ks_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
     kz_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
     va_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
     vb_s = gl.allocate_shared_memory(gl.int32, [2, 64, 4], SMEM2)
-    vs_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
-    vz_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
+    if FOLD_VALUES:  # a slot's value scales, then its zero points
+        vs_s = gl.allocate_shared_memory(gl.float16, [2, 64, 8], SMEM2)
+        vz_s = vs_s
+    else:
+        vs_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
+        vz_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
     bufs = (kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s)
     last = hi - 64  # a prefetch past the split's end reads its last tile again
     if hi > lo:  # an empty split reads nothing
-        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss)
+        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD_VALUES)
 
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+    if FOLD_VALUES:  # every column scores the one query head
+        c = c * 0
     q = gl.load(q_ptr + bh * 512 + c[None, :] * 64 + r[:, None])
     # the prmt selector of each key word's group (words 0-3: the scale word's low half, 4-7: its high half)
     kwd = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS))
@@ -369,6 +450,9 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
+    sums = gl.zeros([16, 8], gl.float32, layout=MMA)  # FOLD_VALUES: the B operand's columns summed over the slots
+    ones = gl.full([16, 16], 1.0, gl.float16, layout=A_OP)
+    shift = FOLD_SHIFT if FOLD_VALUES else 0.0  # the weights' exponent: 2^(score - max + shift)
     slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     mask_row = mask_ptr + b * mask_sb
     if SINKS > 0:
@@ -379,13 +463,16 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
             if HAS_MASK:
                 scores = _masked(scores, mask_row, 0, slot, mask_ss)
             m_i = gl.max(scores, axis=0)
-            l_rows = _ex2(scores - _finite(m_i)[None, :])
+            l_rows = _ex2(scores - (_finite(m_i) - shift)[None, :])
+            if FOLD_VALUES:  # every column, rows scaled as the folded context's are (taken back at the end)
+                ch = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))
+                values = values * (1 << _value_shift(ch)).to(gl.float16)[:, None]
             acc = mma_v2(values, gl.convert_layout(l_rows.to(gl.float16), B_OP), acc)
     stage = 0
     for s0 in range(lo, hi, 64):
         async_copy.wait_group(0)
         _barrier()  # every lane's copies landed, and every lane is done reading the other stage
-        _issue(bufs, rows, 1 - stage, gl.minimum(s0 + 64, last), kw_ss, ks_ss, vw_ss, vs_ss)
+        _issue(bufs, rows, 1 - stage, gl.minimum(s0 + 64, last), kw_ss, ks_ss, vw_ss, vs_ss, FOLD_VALUES)
         kw_t = kw_s.index(stage)
         ks_t = ks_s.index(stage)
         kz_t = kz_s.index(stage)
@@ -405,25 +492,33 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         if HAS_MASK:
             m_use = _finite(m_new)
         alpha = _ex2(m_i - m_use)
-        p0 = _ex2(sc0 - m_use[None, :])
-        p1 = _ex2(sc1 - m_use[None, :])
-        p2 = _ex2(sc2 - m_use[None, :])
-        p3 = _ex2(sc3 - m_use[None, :])
+        m_p = m_use - FOLD_SHIFT if FOLD_VALUES else m_use
+        p0 = _ex2(sc0 - m_p[None, :])
+        p1 = _ex2(sc1 - m_p[None, :])
+        p2 = _ex2(sc2 - m_p[None, :])
+        p3 = _ex2(sc3 - m_p[None, :])
         l_rows = l_rows * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         acc = acc * alpha[None, :]
         m_i = m_new
         va_t = va_s.index(stage)
         vb_t = vb_s.index(stage)
         vs_t = vs_s.index(stage)
-        vz_t = vz_s.index(stage)
-        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 0, v_shift, v_selector),
-                     gl.convert_layout(p0.to(gl.float16), B_OP), acc)
-        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 16, v_shift, v_selector),
-                     gl.convert_layout(p1.to(gl.float16), B_OP), acc)
-        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 32, v_shift, v_selector),
-                     gl.convert_layout(p2.to(gl.float16), B_OP), acc)
-        acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 48, v_shift, v_selector),
-                     gl.convert_layout(p3.to(gl.float16), B_OP), acc)
+        if FOLD_VALUES:
+            sums = sums * alpha[None, :]
+            acc, sums = _folded_product(acc, sums, ones, p0, va_t, vb_t, vs_t, 0, v_shift)
+            acc, sums = _folded_product(acc, sums, ones, p1, va_t, vb_t, vs_t, 16, v_shift)
+            acc, sums = _folded_product(acc, sums, ones, p2, va_t, vb_t, vs_t, 32, v_shift)
+            acc, sums = _folded_product(acc, sums, ones, p3, va_t, vb_t, vs_t, 48, v_shift)
+        else:
+            vz_t = vz_s.index(stage)
+            acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 0, v_shift, v_selector),
+                         gl.convert_layout(p0.to(gl.float16), B_OP), acc)
+            acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 16, v_shift, v_selector),
+                         gl.convert_layout(p1.to(gl.float16), B_OP), acc)
+            acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 32, v_shift, v_selector),
+                         gl.convert_layout(p2.to(gl.float16), B_OP), acc)
+            acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 48, v_shift, v_selector),
+                         gl.convert_layout(p3.to(gl.float16), B_OP), acc)
         stage = 1 - stage
     async_copy.wait_group(0)
 
@@ -431,9 +526,19 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     row = (bh * row_splits + split) * GROUP_HEADS + cols
     ok = cols < GROUP_HEADS
     gl.store(m_ptr + row, m_i, mask=ok)
-    gl.store(l_ptr + row, gl.sum(l_rows, axis=0), mask=ok)
+    back = 1.0 / (1 << FOLD_SHIFT) if FOLD_VALUES else 1.0
+    gl.store(l_ptr + row, gl.sum(l_rows, axis=0) * back, mask=ok)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    gl.store(acc_ptr + row[None, :] * 128 + _value_channel(ch)[:, None], acc, mask=ok[None, :])
+    if FOLD_VALUES:  # row ch of value group n: its column n over 2^shift, plus the sum of column 4 + n
+        group = (_value_channel(ch) // 32)[:, None]
+        totals = gl.max(sums, axis=0)[None, :]  # a sum per column (the rows are alike)
+        column = gl.sum(gl.where(cols[None, :] == group, acc, 0.0), axis=1)
+        zeros = gl.sum(gl.where(cols[None, :] == group + 4, totals, 0.0), axis=1)
+        unit = (1 << _value_shift(ch)).to(gl.float32)
+        ctx = (column / unit + zeros) * back
+        gl.store(acc_ptr + (bh * row_splits + split) * 128 + _value_channel(ch), ctx)
+    else:
+        gl.store(acc_ptr + row[None, :] * 128 + _value_channel(ch)[:, None], acc, mask=ok[None, :])
 
 
 @gluon.jit

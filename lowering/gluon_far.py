@@ -26,6 +26,12 @@ def registers(group: int) -> int:
     return 168 if group > 1 else 128
 
 
+def folds_values(group: int) -> bool:
+    """Whether the far loop folds the value scales into the value product's B operand (`far_kernel`'s FOLD_VALUES):
+    where a KV head serves one query head, whose weights leave seven of the operand's eight columns free."""
+    return group == 1
+
+
 @functools.cache
 def key_order(device: torch.device) -> torch.Tensor:
     """The key ranks' channels (key_rank_channels) as an index tensor on `device`, made once: no host copy per
@@ -72,13 +78,15 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
                                   f"({4 * vs_sh}), and the zero points laid out as the scales (key scales "
                                   f"{_strides(k_scale, 2)}, zero points {_strides(k_zero, 2)}; value scales "
                                   f"{_strides(v_scale, 4)}, zero points {_strides(v_zero, 4)})")
+    fold = folds_values(group)  # the value scales then go to the kernel as float16 (their strides still in words)
     launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
-        key_words, *scale_words[:2], value_words, *scale_words[2:], exact_k, exact_v, queries, far_hi, mask, part_max,
-        part_sum, part_acc, kw_sb, kw_sh // 4, ks_sb, ks_sh, vw_sb, vw_sh // 4, vs_sb, vs_sh // 2, exact_k.stride(0),
-        exact_k.stride(1) if sinks else 0, exact_v.stride(0), exact_v.stride(1) if sinks else 0, mask_sb, splits,
+        key_words, *scale_words[:2], value_words, *((v_scale, v_zero) if fold else scale_words[2:]), exact_k, exact_v,
+        queries, far_hi, mask, part_max, part_sum, part_acc, kw_sb, kw_sh // 4, ks_sb, ks_sh, vw_sb, vw_sh // 4, vs_sb,
+        vs_sh // 2, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0), exact_v.stride(1) if sinks else 0, mask_sb, splits,
         row_splits),
         dict(kw_ss=kw_ss, ks_ss=ks_ss, vw_ss=vw_ss, vs_ss=vs_ss, mask_ss=mask_ss, KV_HEADS=kv_heads,
-             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, num_warps=1, maxnreg=registers(group)))
+             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, FOLD_VALUES=fold, num_warps=1,
+             maxnreg=registers(group)))
 
 
 def _strides(tensor, per_head):

@@ -32,18 +32,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from lrkv_compile.kernels import gluon_far
-from lrkv_compile.lowering.gluon_far import registers
+from lrkv_compile.lowering.gluon_far import folds_values, registers
 
-signature = {name: "*fp16" if name in ("kx_ptr", "vx_ptr", "q_ptr") else "*i32"
+group = int(sys.argv[2])
+halves = ("kx_ptr", "vx_ptr", "q_ptr", *(("vs_ptr", "vz_ptr") if folds_values(group) else ()))
+signature = {name: "*fp16" if name in halves else "*i32"
              for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "kx_ptr", "vx_ptr", "q_ptr",
                           "far_hi_ptr")}
 signature["mask_ptr"] = "*i1"
 signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
 signature.update({name: "i32" for name in ("kw_sb", "kw_sh4", "ks_sb", "ks_sh", "vw_sb", "vw_sh4", "vs_sb", "vs_sh2",
                                            "kx_sb", "kx_ss", "vx_sb", "vx_ss", "mask_sb", "splits", "row_splits")})
-group = int(sys.argv[2])
 constants = dict(kw_ss=8, ks_ss=1, vw_ss=12, vs_ss=2, mask_ss=1, KV_HEADS=8, GROUP_HEADS=group, SINKS=4,
-                 HAS_MASK=sys.argv[1] == "mask")
+                 HAS_MASK=sys.argv[1] == "mask", FOLD_VALUES=folds_values(group))
 signature.update({name: "constexpr" for name in constants})
 names = list(signature)
 aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names if name.endswith(("_ptr", "_sb"))}
@@ -66,7 +67,9 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     bytes a slot) and nothing else (no st.shared: no conversion goes through it), the codes come by 16-byte copies
     (the scales by 8- and 4-byte ones), a tile waits on two barriers (the loop's and Triton's own before the first
     read of shared memory) and the loop's end on a third, with the boolean mask of a model's decode step or without
-    one, at the register counts of both kinds of KV heads (`gluon_far.registers`). Compiled for sm_90 in a process
+    one, at the register counts of both kinds of KV heads (`gluon_far.registers`), and where a KV head serves one
+    query head with the value scales folded into the value product (`gluon_far.folds_values`: four more products,
+    of a row of ones, per tile; the value scales and zero points in one buffer of the same size). Compiled for sm_90 in a process
     of its own: under Triton's interpreter (the tests' CPU setting) Gluon's builtins are interpreted functions, which
     its compiler refuses."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -74,11 +77,21 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    # per 64 slots 4 x (4 + 8) products, and the sinks' tile's 4 + 8; two places issue a tile's copies, each with
-    # 10 of 16 bytes a lane (key and value codes)
+    # per 64 slots 4 x (4 + 8) products (and 4 of the ones where the values fold), and the sinks' tile's 4 + 8; two
+    # places issue a tile's copies, each with 10 of 16 bytes a lane (key and value codes)
+    products = 4 * 4 + 4 * 8 + 4 + 8 + (4 if lowering_far.folds_values(group) else 0)
     assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
-    assert facts["shared_stores"] == 0 and facts["products"] == 4 * 4 + 4 * 8 + 4 + 8 and facts["barriers"] == 3
+    # Triton before 3.9 puts a barrier between the two copies into the folded values' one buffer of scales and zero
+    # points: one where the loop issues a tile, one where its prologue issues the first
+    fold_barriers = 2 if lowering_far.folds_values(group) and _triton_version() < (3, 9) else 0
+    assert facts["shared_stores"] == 0 and facts["products"] == products and facts["barriers"] == 3 + fold_barriers
     assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
+
+
+def _triton_version():
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def _cache(rows, slots, kv_heads, generator):
@@ -91,7 +104,8 @@ def _cache(rows, slots, kv_heads, generator):
                                        "the CPU compiles them for sm_90 above")
 @pytest.mark.parametrize("layout", ["row", "head-major"])
 @pytest.mark.parametrize("rows, slots, kv_heads, group, splits", [(2, 1024, 8, 4, 3), (3, 640, 2, 8, 4),
-                                                                  (1, 64, 4, 1, 1), (2, 4096, 1, 7, 5)])
+                                                                  (1, 64, 4, 1, 1), (2, 2048, 4, 1, 3),
+                                                                  (2, 4096, 1, 7, 5)])
 def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, layout):
     generator = torch.Generator().manual_seed(rows * slots + group)
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (t.cuda() for t in _cache(rows, slots, kv_heads, generator))
@@ -112,11 +126,13 @@ def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, lay
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
                                        "the CPU compiles them for sm_90 above")
+@pytest.mark.parametrize("group", [4, 1])
 @pytest.mark.parametrize("far_end", [128, 0])
-def test_empty_splits_write_empty_partials(far_end):
+def test_empty_splits_write_empty_partials(far_end, group):
     """Splits past the row's far slots (four splits of 64 slots over 128 far slots, or none far) read nothing and
-    write what the reference writes for them: a maximum of -inf, a sum and a context of 0."""
-    rows, slots, kv_heads, group, splits = 2, 256, 2, 4, 4
+    write what the reference writes for them: a maximum of -inf, a sum and a context of 0 (with the value scales
+    folded where a KV head serves one query head too)."""
+    rows, slots, kv_heads, splits = 2, 256, 2, 4
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
         head_major(t.cuda(), kv_heads) for t in _cache(rows, slots, kv_heads, torch.Generator().manual_seed(3)))
     queries = lowering_far.kernel_queries((torch.randn(rows, kv_heads, group, 64) * 0.2).half().cuda())

@@ -536,12 +536,13 @@ def test_codes_stored_by_blocks_read_as_their_rows(k_bits, v_bits, group, k_bloc
     check(kwargs)
 
 
-@pytest.mark.parametrize("near_slot, rope_window, pads, far_ends, by_blocks", [
-    (None, 100, None, [576, 576], False), (None, 100, None, [576, 576], True), (200, 100, None, [192, 576], False),
-    (None, 4, None, [640, 640], True), (None, 100, [130, 0], [576, 576], False),
-    (None, 100, [520, 3], [576, 576], True)])
+@pytest.mark.parametrize("near_slot, rope_window, pads, far_ends, by_blocks, group_heads", [
+    (None, 100, None, [576, 576], False, 4), (None, 100, None, [576, 576], True, 4),
+    (200, 100, None, [192, 576], False, 4), (None, 4, None, [640, 640], True, 4),
+    (None, 100, [130, 0], [576, 576], False, 4), (None, 100, [520, 3], [576, 576], True, 4),
+    (None, 100, None, [576, 576], True, 1), (None, 100, [130, 0], [576, 576], True, 1)])
 def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_window, pads, far_ends, by_blocks,
-                                                                monkeypatch):
+                                                                group_heads, monkeypatch):
     """Windowed RoPE over the budget plan's layout in float16: the slots before the window go through the Gluon far
     loop (`gluon_far.far_splits`; on CPU its torch stand-in, where Gluon kernels do not run), the rest through the
     decode kernel from the slot far_prep_kernel finds, both into one combine. 700 slots, positions from 3000: with a
@@ -550,7 +551,9 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
     the last slots (at 640). The codes of the slots with exact copies (4 sinks, the last 8) are junk: the reference
     reads the copies, and so must both kernels. pads: left padding under the boolean mask transformers builds for
     SDPA, in the model's decode steps (a row of 520 pads leaves the far loop's splits of it nothing to attend: their
-    maxima stay -inf). by_blocks: the codes stored head-major, as LatentCache stores them (`quantize.by_blocks`)."""
+    maxima stay -inf). by_blocks: the codes stored head-major, as LatentCache stores them (`quantize.by_blocks`).
+    group_heads 1: a KV head of one query head, whose far loop folds the value scales into the value product
+    (`gluon_far.folds_values`)."""
     from lrkv_compile.lowering import gluon_far
 
     taken = []
@@ -565,7 +568,7 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
         monkeypatch.setattr(triton_decode, "far_loop_able", lambda **_: True)
     kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "kv_heads": 2, "k_blocks": 2,
                            "v_blocks": 2, "k_block_rank": 64, "v_block_rank": 128, "length": 700,
-                           "mask": "bool" if pads else "none", "padding": pads is not None, "pads": pads,
+                           "group_heads": group_heads, "mask": "bool" if pads else "none", "padding": pads is not None, "pads": pads,
                            "bias": False, "rope_window": rope_window, "start_position": 3000,
                            "by_blocks": by_blocks})
     assert kwargs["latent_k"].dim() == kwargs["latent_v"].dim() == (4 if by_blocks else 3)
