@@ -53,10 +53,10 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=(
     x, y) gathers it by prmt from registers x and y, or (None, x, None) takes register x as it is. lop3 masks the
     code into the mantissa of 1024, an exact fma takes 1024 away and divides by 2^shift, a last fma applies the
     (scale, zero point) pairs s2 and z2 that the lines `scales` set (after `prologue`, whose own registers are
-    `registers` and `predicates`). With `scales` None an exact subtraction of 1024 leaves code * 2^shift, which the
-    folded value product takes as it is (`far_kernel`'s FOLD_VALUES)."""
+    `registers` and `predicates`). With `scales` None the outputs are the lop3's, 1024 + code * 2^shift, which the
+    folded value product takes as they are (`far_kernel`'s FOLD_VALUES)."""
     raw = scales is None
-    lines = [*prologue, *(scales or ["mov.b32 o, 0x64006400;"])]
+    lines = [*prologue, *(scales or [])]
     for shift in sorted(set(shifts)) if not raw else ():  # f16x2 operands are registers
         lines.append(f"mov.b32 m{shift}, {_half2(2.0 ** -shift)};")
         lines.append(f"mov.b32 a{shift}, {_half2(-1024.0 * 2.0 ** -shift)};")
@@ -70,15 +70,13 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=(
                 gathered = (selector, x, y)
         mask = ((1 << bits) - 1) << shift
         lines.append(f"lop3.b32 t, {source}, {mask | mask << 16:#010x}, 0x64006400, 0xea;")
-        if raw:
-            lines.append("sub.rn.f16x2 t, t, o;")
-        else:
+        if not raw:
             lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
             lines.append("fma.rn.f16x2 t, t, s2, z2;")
         lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;")
     names = ", ".join([*(f"m{shift}, a{shift}" for shift in sorted(set(shifts)) if not raw), *registers])
     declared = "".join(f".reg .pred {name};\n" for name in predicates)
-    return ("{\n" + declared + ".reg .b32 o, s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
+    return ("{\n" + declared + ".reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
             + "\n}")
 
 
@@ -107,7 +105,7 @@ def _value_asm(fold: bool = False) -> str:
     $38 (the bit, 0 or 16, where the lane's 48 bits begin: words 0 and 1 from bit 0, or 1 and 2 from bit 16), $39 $40
     (the int32 words of A's and B's float16 scales that hold the block's), $41 $42 (their zero points'), $43 (the prmt
     selector of the block's halves: 0x5410 or 0x7632). Output pair 8X + i holds code i of 3-byte word X (of the 48
-    bits) of slot A, then of slot B. `fold`: no scale inputs, the outputs code * 2^((3 i) % 8) (`_pairs_asm`)."""
+    bits) of slot A, then of slot B. `fold`: no scale inputs, the outputs 1024 + code * 2^((3 i) % 8) (`_pairs_asm`)."""
     prologue = ["setp.ne.u32 p, $38, 0;",
                 "selp.b32 u0, $33, $32, p;", "selp.b32 u1, $34, $33, p;",      # A's two words
                 "selp.b32 v0, $36, $35, p;", "selp.b32 v1, $37, $36, p;",      # B's
@@ -132,6 +130,11 @@ FOLD_SHIFT = gl.constexpr(8)  # FOLD_VALUES' weights are 2^(score - max + 8), so
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+# MMA over [128, 8] as [8 tiles of 16 rows, 16, 8]
+MMA_TILES = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
+    shape=[8, 16, 8]))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 # key words [8 slots, 8 words]: lane (g, t) holds words 2t and 2t + 1 of slot g (blocked: it broadcasts a slot's
 # scales over its words)
@@ -334,7 +337,7 @@ def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
 
 @gluon.jit
 def _raw_values(va_s, vb_s, r0: gl.constexpr, v_shift):
-    """VT [128 channels, 16 slots] as the A operand, code * 2^shift, from the stage's slots r0 .. r0 + 15
+    """VT [128 channels, 16 slots] as the A operand, 1024 + code * 2^shift, from the stage's slots r0 .. r0 + 15
     (FOLD_VALUES: the scales go into the B operand, `_scaled_weights`)."""
     codes = gl.zeros([4, 2, 4], gl.int32, layout=LANES3)
     va = va_s.slice(r0, 16)
@@ -360,11 +363,29 @@ def _scaled_weights(p, vsz_s, r0: gl.constexpr):
 
 
 @gluon.jit
-def _folded_product(acc, sums, ones, p, va_s, vb_s, vsz_s, r0: gl.constexpr, v_shift):
-    """FOLD_VALUES' value product of the stage's slots r0 .. r0 + 15 (weights p [16 slots, 8]) into the context acc
-    and the B operand's column sums."""
-    weights = _scaled_weights(p, vsz_s, r0)
-    return mma_v2(_raw_values(va_s, vb_s, r0, v_shift), weights, acc), mma_v2(ones, weights, sums)
+def _folded_tile(acc, sums, alpha, p0, p1, p2, p3, va_s, vb_s, vsz_s, v_shift):
+    """FOLD_VALUES' value product of the stage's 64 slots (weights p0 .. p3 [16 slots, 8] each) into the context acc
+    [128, 8] and the B operand's column sums [16, 8] (every row alike), both first scaled by alpha. The codes come as
+    1024 + code * 2^shift: the tile's product starts from -1024 times the tile's column sums, so that what it adds to
+    acc holds code * 2^shift only (float32 sums of the 1024s over a whole split lost the codes' share)."""
+    w0 = _scaled_weights(p0, vsz_s, 0)
+    w1 = _scaled_weights(p1, vsz_s, 16)
+    w2 = _scaled_weights(p2, vsz_s, 32)
+    w3 = _scaled_weights(p3, vsz_s, 48)
+    ones = gl.full([16, 16], 1.0, gl.float16, layout=A_OP)
+    tile_sums = mma_v2(ones, w0, gl.zeros([16, 8], gl.float32, layout=MMA))
+    tile_sums = mma_v2(ones, w1, tile_sums)
+    tile_sums = mma_v2(ones, w2, tile_sums)
+    tile_sums = mma_v2(ones, w3, tile_sums)
+    offset = gl.expand_dims(gl.convert_layout(tile_sums * -1024.0, gl.SliceLayout(0, MMA_TILES), assert_trivial=True),
+                            0)
+    offset = gl.broadcast(offset, gl.zeros([8, 16, 8], gl.float32, layout=MMA_TILES))[0]
+    tile = gl.convert_layout(gl.reshape(offset, [128, 8]), MMA, assert_trivial=True)
+    tile = mma_v2(_raw_values(va_s, vb_s, 0, v_shift), w0, tile)
+    tile = mma_v2(_raw_values(va_s, vb_s, 16, v_shift), w1, tile)
+    tile = mma_v2(_raw_values(va_s, vb_s, 32, v_shift), w2, tile)
+    tile = mma_v2(_raw_values(va_s, vb_s, 48, v_shift), w3, tile)
+    return acc * alpha[None, :] + tile, sums * alpha[None, :] + tile_sums
 
 
 @gluon.jit
@@ -451,7 +472,6 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
     sums = gl.zeros([16, 8], gl.float32, layout=MMA)  # FOLD_VALUES: the B operand's columns summed over the slots
-    ones = gl.full([16, 16], 1.0, gl.float16, layout=A_OP)
     shift = FOLD_SHIFT if FOLD_VALUES else 0.0  # the weights' exponent: 2^(score - max + shift)
     slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     mask_row = mask_ptr + b * mask_sb
@@ -498,18 +518,14 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         p2 = _ex2(sc2 - m_p[None, :])
         p3 = _ex2(sc3 - m_p[None, :])
         l_rows = l_rows * alpha[None, :] + ((p0 + p1) + (p2 + p3))
-        acc = acc * alpha[None, :]
         m_i = m_new
         va_t = va_s.index(stage)
         vb_t = vb_s.index(stage)
         vs_t = vs_s.index(stage)
         if FOLD_VALUES:
-            sums = sums * alpha[None, :]
-            acc, sums = _folded_product(acc, sums, ones, p0, va_t, vb_t, vs_t, 0, v_shift)
-            acc, sums = _folded_product(acc, sums, ones, p1, va_t, vb_t, vs_t, 16, v_shift)
-            acc, sums = _folded_product(acc, sums, ones, p2, va_t, vb_t, vs_t, 32, v_shift)
-            acc, sums = _folded_product(acc, sums, ones, p3, va_t, vb_t, vs_t, 48, v_shift)
+            acc, sums = _folded_tile(acc, sums, alpha, p0, p1, p2, p3, va_t, vb_t, vs_t, v_shift)
         else:
+            acc = acc * alpha[None, :]
             vz_t = vz_s.index(stage)
             acc = mma_v2(_values(va_t, vb_t, vs_t, vz_t, 0, v_shift, v_selector),
                          gl.convert_layout(p0.to(gl.float16), B_OP), acc)

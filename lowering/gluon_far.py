@@ -23,7 +23,7 @@ def registers(group: int) -> int:
     w1024, ms at 16K and batch 16 / 64K and batch 4): Llama-3-8B 0.114 / 0.122 at 128 registers and 16 programs a
     multiprocessor, 0.110 / 0.112 at 168 and 12, 0.111 / 0.112 at 255 and 8; Llama-2-7B 0.355 / 0.305 at 128 and 12,
     0.362 / 0.359 at 168 and 9, 0.362 / 0.371 at 255 and 6."""
-    return 168 if group > 1 else 128
+    return 168 if group > 1 or folds_values(group) else 128
 
 
 def folds_values(group: int) -> bool:
