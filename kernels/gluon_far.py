@@ -26,8 +26,8 @@ takes the 48 bits of channels 16g .. 16g + 15. PTX turns them into float16 two a
 i + 4, one value channel of two slots), and joins, a reshape and a permute give the operands' layouts, which
 convert_layout asserts need no data movement. So the operands' ranks and channels are permuted: `key_rank_channels`
 and `value_channels` say which cache channel each holds; the queries come permuted, the context is stored in the
-cache's order. Where a KV head serves one query head, the value scales and zero points go into the value product's
-B operand instead of into each code (`far_kernel`'s FOLD_VALUES).
+cache's order. Where a KV head serves one query head, the scales and zero points apply outside the codes: the
+values' in the value product's B operand, the keys' to the scores' product (`far_kernel`'s FOLD).
 """
 import struct
 
@@ -54,7 +54,7 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=(
     code into the mantissa of 1024, an exact fma takes 1024 away and divides by 2^shift, a last fma applies the
     (scale, zero point) pairs s2 and z2 that the lines `scales` set (after `prologue`, whose own registers are
     `registers` and `predicates`). With `scales` None the outputs are the lop3's, 1024 + code * 2^shift, which the
-    folded value product takes as they are (`far_kernel`'s FOLD_VALUES)."""
+    folded products take as they are (`far_kernel`'s FOLD)."""
     raw = scales is None
     lines = [*prologue, *(scales or [])]
     for shift in sorted(set(shifts)) if not raw else ():  # f16x2 operands are registers
@@ -74,20 +74,20 @@ def _pairs_asm(pairs, shifts, bits, scales, prologue, registers=(), predicates=(
             lines.append(f"fma.rn.f16x2 t, t, m{shift}, a{shift};")
             lines.append("fma.rn.f16x2 t, t, s2, z2;")
         lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;")
-    names = ", ".join([*(f"m{shift}, a{shift}" for shift in sorted(set(shifts)) if not raw), *registers])
+    names = ", ".join(["s2, z2, t, w, x0, x1, y0, y1", *(f"m{shift}, a{shift}" for shift in sorted(set(shifts))
+                                                         if not raw), *registers])
     declared = "".join(f".reg .pred {name};\n" for name in predicates)
-    return ("{\n" + declared + ".reg .b32 s2, z2, t, w, x0, x1, y0, y1, " + names + ";\n" + "\n".join(lines)
-            + "\n}")
+    return "{\n" + declared + ".reg .b32 " + names + ";\n" + "\n".join(lines) + "\n}"
 
 
-def _key_asm() -> str:
+def _key_asm(fold: bool = False) -> str:
     """Inputs $8 (an int32 word of 8 4-bit codes, code k at bits 4k), $9 and $10 (the slot's two groups' float16
     scales, then zero points, as int32 words), $11 (the prmt selector of the word's group: 0x1010 or 0x3232).
     Outputs: codes 0, 4, 1, 5, 2, 6, 3, 7 (pairs (i, i + 4) lie at bits 4i and 4i + 16: of the word, then of the word
-    shifted by 8)."""
+    shifted by 8), so odd codes at a shift of 4. `fold`: no scale inputs, the outputs 1024 + code * 2^shift."""
     pairs = [(None, "$8", None)] * 2 + [(None, "y0", None)] * 2
-    return _pairs_asm(pairs, [0, 4, 0, 4], 4, ["prmt.b32 s2, $9, $9, $11;", "prmt.b32 z2, $10, $10, $11;"],
-                      ["shr.u32 y0, $8, 8;"])
+    scales = None if fold else ["prmt.b32 s2, $9, $9, $11;", "prmt.b32 z2, $10, $10, $11;"]
+    return _pairs_asm(pairs, [0, 4, 0, 4], 4, scales, ["shr.u32 y0, $8, 8;"])
 
 
 def _value_pairs():
@@ -120,16 +120,24 @@ def _value_asm(fold: bool = False) -> str:
 KEY_ASM = gl.constexpr(_key_asm())
 VALUE_ASM = gl.constexpr(_value_asm())
 KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r,r,r,r")
+RAW_KEY_ASM = gl.constexpr(_key_asm(fold=True))
+RAW_KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r")
+# a float16 pair (an int32 word) as two float32
+HALVES_ASM = gl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}")
 VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 12))
 RAW_VALUE_ASM = gl.constexpr(_value_asm(fold=True))
 RAW_VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 7))
 # the folded value product's B operand, p times a slot's scale (or zero point), two at a time
 SCALE_P_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
-FOLD_SHIFT = gl.constexpr(8)  # FOLD_VALUES' weights are 2^(score - max + 8), so that p * scale stays normal float16
+FOLD_SHIFT = gl.constexpr(8)  # FOLD's weights are 2^(score - max + 8), so that p * scale stays normal float16
 
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+# FOLD's scores [16 slots, 4]: MMA [16, 8] with its columns (2 j + key group g) split by group
+SCORES = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[],
+    shape=[16, 4]))
 # MMA over [128, 8] as [8 tiles of 16 rows, 16, 8]
 MMA_TILES = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
@@ -170,7 +178,7 @@ COPY_4 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=
 COPY_2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
                                        order=[1, 0]))
 COPY_1 = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
-# FOLD_VALUES' value scales and zero points, float16 [64 slots, 4 groups] (8 bytes a lane a copy)
+# FOLD's value scales and zero points, float16 [64 slots, 4 groups] (8 bytes a lane a copy)
 COPY_H4 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
                                         order=[1, 0]))
 
@@ -251,8 +259,8 @@ def _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS: gl.constexpr):
 
 @gluon.jit
 def _issue(bufs, rows, stage, s0, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
-           vs_ss: gl.constexpr, FOLD_VALUES: gl.constexpr):
-    """cp.async of the 64 slots from s0 into shared-memory stage `stage`, as one group. FOLD_VALUES: the value scales
+           vs_ss: gl.constexpr, FOLD: gl.constexpr):
+    """cp.async of the 64 slots from s0 into shared-memory stage `stage`, as one group. FOLD: the value scales
     and zero points are float16 (vs_row, vz_row) and land in one buffer (vs_s), a slot's four scales, then its four
     zero points."""
     kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s = bufs
@@ -264,7 +272,7 @@ def _issue(bufs, rows, stage, s0, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_s
     s4 = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_4))
     w4 = gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_4))
     _copy(vb_s.index(stage), vw_row + s4[:, None] * vw_ss + (8 + w4)[None, :])
-    if FOLD_VALUES:
+    if FOLD:
         sh = s0 + gl.arange(0, 64, layout=gl.SliceLayout(1, COPY_H4))
         wh = gl.arange(0, 4, layout=gl.SliceLayout(0, COPY_H4))
         _copy(vs_s.index(stage).slice(0, 4, dim=1), vs_row + sh[:, None] * (2 * vs_ss) + wh[None, :])
@@ -294,6 +302,42 @@ def _keys(kw_s, ks_s, kz_s, r0: gl.constexpr, selector):
     KH = gl.inline_asm_elementwise(KEY_ASM, KEY_CONSTRAINTS, [w_hi, s_hi, z_hi, selector], dtype=(gl.float16,) * 8,
                                    is_pure=True, pack=1)
     return _key_operand(KL, KH)
+
+
+@gluon.jit
+def _raw_keys(kw_s, r0: gl.constexpr):
+    """K [16 slots, 64 ranks] as the A operand, 1024 + code * 2^shift, from the stage's slots r0 .. r0 + 15
+    (FOLD: the scales apply to the scores, `_folded_scores`)."""
+    KL = gl.inline_asm_elementwise(RAW_KEY_ASM, RAW_KEY_CONSTRAINTS, [kw_s.slice(r0, 8).load(KEY_WORDS)],
+                                   dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    KH = gl.inline_asm_elementwise(RAW_KEY_ASM, RAW_KEY_CONSTRAINTS, [kw_s.slice(r0 + 8, 8).load(KEY_WORDS)],
+                                   dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    return _key_operand(KL, KH)
+
+
+@gluon.jit
+def _halves(words):
+    """int32 words of float16 pairs -> (low halves, high halves) as float32."""
+    return gl.inline_asm_elementwise(HALVES_ASM, "=f,=f,r", [words], dtype=(gl.float32, gl.float32), is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _folded_scores(kw_s, ks_s, kz_s, q_fold, offset, sums0, sums1, r0: gl.constexpr):
+    """FOLD's scores [16 slots, 8] of the stage's slots r0 .. r0 + 15, the one query head's in every column. The
+    product of the raw keys with q_fold (column 2 j + g: the query over key group g's ranks, those at a shift of 4
+    divided by 16) starts from `offset` (-1024 times each column's sum), so it leaves the query times the codes per
+    group; each slot's group scales s_g and zero points z_g then make the score, sum over g of s_g (that) + z_g
+    (sums_g: the query summed over group g's ranks)."""
+    raw = mma_v2(_raw_keys(kw_s, r0), q_fold, offset)
+    raw0, raw1 = gl.split(gl.reshape(raw, [16, 4, 2]))
+    raw0 = gl.convert_layout(raw0, SCORES, assert_trivial=True)
+    raw1 = gl.convert_layout(raw1, SCORES, assert_trivial=True)
+    s0, s1 = _halves(ks_s.slice(r0, 16).load(gl.SliceLayout(1, SCORES)))
+    z0, z1 = _halves(kz_s.slice(r0, 16).load(gl.SliceLayout(1, SCORES)))
+    score = raw0 * s0[:, None] + z0[:, None] * sums0[None, :]
+    score = score + raw1 * s1[:, None] + z1[:, None] * sums1[None, :]
+    return gl.convert_layout(gl.reshape(gl.join(score, score), [16, 8]), MMA, assert_trivial=True)
 
 
 @gluon.jit
@@ -338,7 +382,7 @@ def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
 @gluon.jit
 def _raw_values(va_s, vb_s, r0: gl.constexpr, v_shift):
     """VT [128 channels, 16 slots] as the A operand, 1024 + code * 2^shift, from the stage's slots r0 .. r0 + 15
-    (FOLD_VALUES: the scales go into the B operand, `_scaled_weights`)."""
+    (FOLD: the scales go into the B operand, `_scaled_weights`)."""
     codes = gl.zeros([4, 2, 4], gl.int32, layout=LANES3)
     va = va_s.slice(r0, 16)
     j0a, j0b, j0c, j0d = _pairs(va.slice(0, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
@@ -353,7 +397,7 @@ def _raw_values(va_s, vb_s, r0: gl.constexpr, v_shift):
 
 @gluon.jit
 def _scaled_weights(p, vsz_s, r0: gl.constexpr):
-    """FOLD_VALUES' B operand [16 slots, 8]: column n < 4 the weights p [16 slots, 8] (every column the one query
+    """FOLD's B operand [16 slots, 8]: column n < 4 the weights p [16 slots, 8] (every column the one query
     head's) times value group n's scale of each slot, column 4 + n times its zero point (vsz_s: the stage's float16
     [64 slots, 8], `_issue`)."""
     weights = gl.convert_layout(p.to(gl.float16), B_OP)
@@ -364,7 +408,7 @@ def _scaled_weights(p, vsz_s, r0: gl.constexpr):
 
 @gluon.jit
 def _folded_tile(acc, sums, alpha, p0, p1, p2, p3, va_s, vb_s, vsz_s, v_shift):
-    """FOLD_VALUES' value product of the stage's 64 slots (weights p0 .. p3 [16 slots, 8] each) into the context acc
+    """FOLD's value product of the stage's 64 slots (weights p0 .. p3 [16 slots, 8] each) into the context acc
     [128, 8] and the B operand's column sums [16, 8] (every row alike), both first scaled by alpha. The codes come as
     1024 + code * 2^shift: the tile's product starts from -1024 times the tile's column sums, so that what it adds to
     acc holds code * 2^shift only (float32 sums of the 1024s over a whole split lost the codes' share)."""
@@ -400,7 +444,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
                l_ptr, acc_ptr, kw_sb, kw_sh4, ks_sb, ks_sh, vw_sb, vw_sh4, vs_sb, vs_sh2, kx_sb, kx_ss, vx_sb, vx_ss,
                mask_sb, splits, row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
                vs_ss: gl.constexpr, mask_ss: gl.constexpr, KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr,
-               SINKS: gl.constexpr, HAS_MASK: gl.constexpr, FOLD_VALUES: gl.constexpr):
+               SINKS: gl.constexpr, HAS_MASK: gl.constexpr, FOLD: gl.constexpr):
     """Partials of split program_id(1) (of `splits`) of (batch row, KV head) program_id(0) over the slots [0, end) of
     its batch row b, all of them far (end: the least of far_hi_ptr[b * KV_HEADS + h] over its KV heads h, rounded
     down to a multiple of 64; `latent_decode.far_prep_kernel`'s firsts): written as the decode kernel writes its
@@ -415,15 +459,19 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
     -inf, their sum 0).
 
-    FOLD_VALUES (one query head a KV head, `lowering.gluon_far.folds_values`; vs_ptr and vz_ptr then float16, their
-    strides still in words): the value codes enter their product unscaled, as code * 2^shift (the code where the
-    value asm finds it), and the scales and zero points go into its B operand instead, in the columns the one query
-    head leaves free: column n < 4 holds the weights times value group n's scale, column 4 + n times its zero
-    point. A product of a row of ones with the same operand sums each column over the slots, so the context of a
-    channel of group n with shift s is (its column n) / 2^s + (the sum of column 4 + n), once at the end. That
-    saves one of the two operations per pair of codes of the values' dequantizing (the subtraction of 1024 stays:
-    left in, the product's float32 sums lost the codes' share of them). Its weights are 2^(score - max +
-    FOLD_SHIFT), so that weights times scales stay normal float16; sums and context are scaled back at the end."""
+    FOLD (one query head a KV head, `lowering.gluon_far.folds`; vs_ptr and vz_ptr then float16, their strides still
+    in words) takes the scales and zero points out of the codes, into the columns of the products that the one query
+    head leaves free. The key codes enter the scores' product unscaled (`_folded_scores`): its column 2 j + g holds
+    the query over key group g's ranks, and each slot's group scales and zero points apply to its output. The value
+    codes enter their product unscaled too, and its B operand holds in column n < 4 the weights times value group
+    n's scale of each slot, in column 4 + n times its zero point. A product of a row of ones with the same operand
+    sums each column over the slots, and each tile's product starts from -1024 times its column sums
+    (`_folded_tile`), so the context of a channel of group n and shift s is (its column n) / 2^s + (the sum of
+    column 4 + n), once at the end. The weights are 2^(score - max + FOLD_SHIFT), so that weights times scales stay
+    normal float16; sums and context are scaled back at the end.
+    Both save the two multiply-adds per pair of codes of their dequantizing (1,165 SASS instructions a tile -> 824).
+    With more query heads a KV head there is no such room in the value product, and the scores' fold alone did not
+    pay (docs/gpu-notes.md)."""
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // KV_HEADS
@@ -434,7 +482,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     per_split = (((n_far + splits - 1) // splits + 63) // 64) * 64
     lo = split * per_split
     hi = gl.minimum(lo + per_split, n_far)
-    vs_unit = 2 if FOLD_VALUES else 1  # elements a word of the value scales
+    vs_unit = 2 if FOLD else 1  # elements a word of the value scales
     rows = (kw_ptr + b * kw_sb + h * (kw_sh4 * 4), ks_ptr + b * ks_sb + h * ks_sh, kz_ptr + b * ks_sb + h * ks_sh,
             vw_ptr + b * vw_sb + h * (vw_sh4 * 4), vs_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit,
             vz_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit)
@@ -443,7 +491,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     kz_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
     va_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
     vb_s = gl.allocate_shared_memory(gl.int32, [2, 64, 4], SMEM2)
-    if FOLD_VALUES:  # a slot's value scales, then its zero points
+    if FOLD:  # a slot's value scales, then its zero points
         vs_s = gl.allocate_shared_memory(gl.float16, [2, 64, 8], SMEM2)
         vz_s = vs_s
     else:
@@ -452,13 +500,23 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     bufs = (kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s)
     last = hi - 64  # a prefetch past the split's end reads its last tile again
     if hi > lo:  # an empty split reads nothing
-        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD_VALUES)
+        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD)
 
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
-    if FOLD_VALUES:  # every column scores the one query head
-        c = c * 0
-    q = gl.load(q_ptr + bh * 512 + c[None, :] * 64 + r[:, None])
+    if FOLD:  # every column scores the one query head, column 2 j + g over key group g's ranks
+        q = gl.load(q_ptr + bh * 512 + r[:, None] + 0 * c[None, :])
+        channel = _key_channel(r)[:, None]
+        q_own = gl.where(channel // 32 == (c % 2)[None, :], q, 0.0)  # over key group g's ranks
+        q_fold = gl.where(channel % 2 == 1, q_own * 0.0625, q_own)  # the odd codes come at a shift of 4
+        offset = gl.convert_layout(-1024.0 * gl.sum(q_fold.to(gl.float32), axis=0), gl.SliceLayout(0, MMA))
+        offset = gl.zeros([16, 8], gl.float32, layout=MMA) + offset[None, :]
+        sums0, sums1 = gl.split(gl.reshape(gl.convert_layout(gl.sum(q_own.to(gl.float32), axis=0),
+                                                             gl.SliceLayout(0, MMA)), [4, 2]))
+        sums0 = gl.convert_layout(sums0, gl.SliceLayout(0, SCORES))
+        sums1 = gl.convert_layout(sums1, gl.SliceLayout(0, SCORES))
+    else:
+        q = gl.load(q_ptr + bh * 512 + c[None, :] * 64 + r[:, None])
     # the prmt selector of each key word's group (words 0-3: the scale word's low half, 4-7: its high half)
     kwd = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS))
     selector = gl.expand_dims(gl.where(kwd >= 4, 0x3232, 0x1010), 0)
@@ -471,8 +529,8 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)
     acc = gl.zeros([128, 8], gl.float32, layout=MMA)
-    sums = gl.zeros([16, 8], gl.float32, layout=MMA)  # FOLD_VALUES: the B operand's columns summed over the slots
-    shift = FOLD_SHIFT if FOLD_VALUES else 0.0  # the weights' exponent: 2^(score - max + shift)
+    sums = gl.zeros([16, 8], gl.float32, layout=MMA)  # FOLD: the B operand's columns summed over the slots
+    shift = FOLD_SHIFT if FOLD else 0.0  # the weights' exponent: 2^(score - max + shift)
     slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     mask_row = mask_ptr + b * mask_sb
     if SINKS > 0:
@@ -484,7 +542,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
                 scores = _masked(scores, mask_row, 0, slot, mask_ss)
             m_i = gl.max(scores, axis=0)
             l_rows = _ex2(scores - (_finite(m_i) - shift)[None, :])
-            if FOLD_VALUES:  # every column, rows scaled as the folded context's are (taken back at the end)
+            if FOLD:  # every column, rows scaled as the folded context's are (taken back at the end)
                 ch = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))
                 values = values * (1 << _value_shift(ch)).to(gl.float16)[:, None]
             acc = mma_v2(values, gl.convert_layout(l_rows.to(gl.float16), B_OP), acc)
@@ -492,16 +550,22 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     for s0 in range(lo, hi, 64):
         async_copy.wait_group(0)
         _barrier()  # every lane's copies landed, and every lane is done reading the other stage
-        _issue(bufs, rows, 1 - stage, gl.minimum(s0 + 64, last), kw_ss, ks_ss, vw_ss, vs_ss, FOLD_VALUES)
+        _issue(bufs, rows, 1 - stage, gl.minimum(s0 + 64, last), kw_ss, ks_ss, vw_ss, vs_ss, FOLD)
         kw_t = kw_s.index(stage)
         ks_t = ks_s.index(stage)
         kz_t = kz_s.index(stage)
-        sc0 = mma_v2(_keys(kw_t, ks_t, kz_t, 0, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+        if FOLD:
+            sc0 = _folded_scores(kw_t, ks_t, kz_t, q_fold, offset, sums0, sums1, 0)
+            sc1 = _folded_scores(kw_t, ks_t, kz_t, q_fold, offset, sums0, sums1, 16)
+            sc2 = _folded_scores(kw_t, ks_t, kz_t, q_fold, offset, sums0, sums1, 32)
+            sc3 = _folded_scores(kw_t, ks_t, kz_t, q_fold, offset, sums0, sums1, 48)
+        else:
+            sc0 = mma_v2(_keys(kw_t, ks_t, kz_t, 0, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+            sc1 = mma_v2(_keys(kw_t, ks_t, kz_t, 16, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+            sc2 = mma_v2(_keys(kw_t, ks_t, kz_t, 32, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
+            sc3 = mma_v2(_keys(kw_t, ks_t, kz_t, 48, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         if SINKS > 0:
             sc0 = gl.where((s0 + slot >= SINKS)[:, None], sc0, -float("inf"))
-        sc1 = mma_v2(_keys(kw_t, ks_t, kz_t, 16, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc2 = mma_v2(_keys(kw_t, ks_t, kz_t, 32, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        sc3 = mma_v2(_keys(kw_t, ks_t, kz_t, 48, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
         if HAS_MASK:
             sc0 = _masked(sc0, mask_row, s0, slot, mask_ss)
             sc1 = _masked(sc1, mask_row, s0 + 16, slot, mask_ss)
@@ -512,7 +576,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         if HAS_MASK:
             m_use = _finite(m_new)
         alpha = _ex2(m_i - m_use)
-        m_p = m_use - FOLD_SHIFT if FOLD_VALUES else m_use
+        m_p = m_use - FOLD_SHIFT if FOLD else m_use
         p0 = _ex2(sc0 - m_p[None, :])
         p1 = _ex2(sc1 - m_p[None, :])
         p2 = _ex2(sc2 - m_p[None, :])
@@ -522,7 +586,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         va_t = va_s.index(stage)
         vb_t = vb_s.index(stage)
         vs_t = vs_s.index(stage)
-        if FOLD_VALUES:
+        if FOLD:
             acc, sums = _folded_tile(acc, sums, alpha, p0, p1, p2, p3, va_t, vb_t, vs_t, v_shift)
         else:
             acc = acc * alpha[None, :]
@@ -542,10 +606,10 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     row = (bh * row_splits + split) * GROUP_HEADS + cols
     ok = cols < GROUP_HEADS
     gl.store(m_ptr + row, m_i, mask=ok)
-    back = 1.0 / (1 << FOLD_SHIFT) if FOLD_VALUES else 1.0
+    back = 1.0 / (1 << FOLD_SHIFT) if FOLD else 1.0
     gl.store(l_ptr + row, gl.sum(l_rows, axis=0) * back, mask=ok)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    if FOLD_VALUES:  # row ch of value group n: its column n over 2^shift, plus the sum of column 4 + n
+    if FOLD:  # row ch of value group n: its column n over 2^shift, plus the sum of column 4 + n
         group = (_value_channel(ch) // 32)[:, None]
         totals = gl.max(sums, axis=0)[None, :]  # a sum per column (the rows are alike)
         column = gl.sum(gl.where(cols[None, :] == group, acc, 0.0), axis=1)

@@ -13,22 +13,21 @@ RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit k
 # programs a multiprocessor the far loop's splits aim at (one wave). A one-warp program holds 13 KB of shared memory
 # (two stages of 64 slots), so 16 would fit. On an H100, with the codes loaded straight into registers (no stages), 16
 # suited Llama-3-8B's shape and 12 Llama-2-7B's (MHA: 545 -> 416 us at 16K and batch 16); on an H200 with the stages,
-# 12 suits both (below, `registers`; docs/gpu-notes.md)
+# 12 suits both (below, `REGISTERS`; docs/gpu-notes.md)
 WAVE = 12
 
 
-def registers(group: int) -> int:
-    """Registers a thread of the far loop for `group` query heads a KV head (no spill at either): 168 where a KV head
-    serves several (12 programs a multiprocessor fit), 128 where it serves one. The decode step on an H200 (budget 0.2
-    w1024, ms at 16K and batch 16 / 64K and batch 4): Llama-3-8B 0.114 / 0.122 at 128 registers and 16 programs a
-    multiprocessor, 0.110 / 0.112 at 168 and 12, 0.111 / 0.112 at 255 and 8; Llama-2-7B 0.355 / 0.305 at 128 and 12,
-    0.362 / 0.359 at 168 and 9, 0.362 / 0.371 at 255 and 6."""
-    return 168 if group > 1 or folds_values(group) else 128
+# registers a thread of the far loop (no spill): 12 programs a multiprocessor fit. The decode step on an H200
+# (budget 0.2 w1024, ms at 16K and batch 16 / 64K and batch 4), before the fold (`folds`): Llama-3-8B 0.114 / 0.122
+# at 128 registers and 16 programs a multiprocessor, 0.110 / 0.112 at 168 and 12, 0.111 / 0.112 at 255 and 8;
+# Llama-2-7B 0.355 / 0.305 at 128 and 12, 0.362 / 0.359 at 168 and 9, 0.362 / 0.371 at 255 and 6. The folded loop
+# spills at 128.
+REGISTERS = 168
 
 
-def folds_values(group: int) -> bool:
-    """Whether the far loop folds the value scales into the value product's B operand (`far_kernel`'s FOLD_VALUES):
-    where a KV head serves one query head, whose weights leave seven of the operand's eight columns free."""
+def folds(group: int) -> bool:
+    """Whether the far loop takes the scales and zero points out of the codes (`far_kernel`'s FOLD): where a KV head
+    serves one query head, whose scores and weights leave seven of the products' eight columns free."""
     return group == 1
 
 
@@ -78,15 +77,15 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
                                   f"({4 * vs_sh}), and the zero points laid out as the scales (key scales "
                                   f"{_strides(k_scale, 2)}, zero points {_strides(k_zero, 2)}; value scales "
                                   f"{_strides(v_scale, 4)}, zero points {_strides(v_zero, 4)})")
-    fold = folds_values(group)  # the value scales then go to the kernel as float16 (their strides still in words)
+    fold = folds(group)  # the value scales then go to the kernel as float16 (their strides still in words)
     launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
         key_words, *scale_words[:2], value_words, *((v_scale, v_zero) if fold else scale_words[2:]), exact_k, exact_v,
         queries, far_hi, mask, part_max, part_sum, part_acc, kw_sb, kw_sh // 4, ks_sb, ks_sh, vw_sb, vw_sh // 4, vs_sb,
         vs_sh // 2, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0), exact_v.stride(1) if sinks else 0, mask_sb, splits,
         row_splits),
         dict(kw_ss=kw_ss, ks_ss=ks_ss, vw_ss=vw_ss, vs_ss=vs_ss, mask_ss=mask_ss, KV_HEADS=kv_heads,
-             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, FOLD_VALUES=fold, num_warps=1,
-             maxnreg=registers(group)))
+             GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, FOLD=fold, num_warps=1,
+             maxnreg=REGISTERS))
 
 
 def _strides(tensor, per_head):

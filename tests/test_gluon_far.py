@@ -32,10 +32,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from lrkv_compile.kernels import gluon_far
-from lrkv_compile.lowering.gluon_far import folds_values, registers
+from lrkv_compile.lowering.gluon_far import REGISTERS, folds
 
 group = int(sys.argv[2])
-halves = ("kx_ptr", "vx_ptr", "q_ptr", *(("vs_ptr", "vz_ptr") if folds_values(group) else ()))
+halves = ("kx_ptr", "vx_ptr", "q_ptr", *(("vs_ptr", "vz_ptr") if folds(group) else ()))
 signature = {name: "*fp16" if name in halves else "*i32"
              for name in ("kw_ptr", "ks_ptr", "kz_ptr", "vw_ptr", "vs_ptr", "vz_ptr", "kx_ptr", "vx_ptr", "q_ptr",
                           "far_hi_ptr")}
@@ -44,13 +44,13 @@ signature.update({name: "*fp32" for name in ("m_ptr", "l_ptr", "acc_ptr")})
 signature.update({name: "i32" for name in ("kw_sb", "kw_sh4", "ks_sb", "ks_sh", "vw_sb", "vw_sh4", "vs_sb", "vs_sh2",
                                            "kx_sb", "kx_ss", "vx_sb", "vx_ss", "mask_sb", "splits", "row_splits")})
 constants = dict(kw_ss=8, ks_ss=1, vw_ss=12, vs_ss=2, mask_ss=1, KV_HEADS=8, GROUP_HEADS=group, SINKS=4,
-                 HAS_MASK=sys.argv[1] == "mask", FOLD_VALUES=folds_values(group))
+                 HAS_MASK=sys.argv[1] == "mask", FOLD=folds(group))
 signature.update({name: "constexpr" for name in constants})
 names = list(signature)
 aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names if name.endswith(("_ptr", "_sb"))}
 source = GluonASTSource(gluon_far.far_kernel, signature,
                         constexprs={(names.index(name),): value for name, value in constants.items()}, attrs=aligned)
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": registers(group)})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": REGISTERS})
 ptx = compiled.asm["ptx"]
 print(json.dumps(dict(shared=compiled.metadata.shared, shared_stores=ptx.count("st.shared"),
                       barriers=ptx.count("bar.sync"),
@@ -67,11 +67,10 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     bytes a slot) and nothing else (no st.shared: no conversion goes through it), the codes come by 16-byte copies
     (the scales by 8- and 4-byte ones), a tile waits on two barriers (the loop's and Triton's own before the first
     read of shared memory) and the loop's end on a third, with the boolean mask of a model's decode step or without
-    one, at the register counts of both kinds of KV heads (`gluon_far.registers`), and where a KV head serves one
-    query head with the value scales folded into the value product (`gluon_far.folds_values`: four more products,
-    of a row of ones, per tile; the value scales and zero points in one buffer of the same size). Compiled for sm_90 in a process
-    of its own: under Triton's interpreter (the tests' CPU setting) Gluon's builtins are interpreted functions, which
-    its compiler refuses."""
+    one, at `gluon_far.REGISTERS`, for a KV head of four query heads and of one, whose loop takes the scales out of
+    the codes (`gluon_far.folds`: four more products, of a row of ones, per tile; the value scales and zero points
+    in one buffer of the same size). Compiled for sm_90 in a process of its own: under Triton's interpreter (the
+    tests' CPU setting) Gluon's builtins are interpreted functions, which its compiler refuses."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, mask, str(group)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -79,11 +78,11 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     # per 64 slots 4 x (4 + 8) products (and 4 of the ones where the values fold), and the sinks' tile's 4 + 8; two
     # places issue a tile's copies, each with 10 of 16 bytes a lane (key and value codes)
-    products = 4 * 4 + 4 * 8 + 4 + 8 + (4 if lowering_far.folds_values(group) else 0)
+    products = 4 * 4 + 4 * 8 + 4 + 8 + (4 if lowering_far.folds(group) else 0)
     assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
     # Triton before 3.9 puts a barrier between the two copies into the folded values' one buffer of scales and zero
     # points: one where the loop issues a tile, one where its prologue issues the first
-    fold_barriers = 2 if lowering_far.folds_values(group) and _triton_version() < (3, 9) else 0
+    fold_barriers = 2 if lowering_far.folds(group) and _triton_version() < (3, 9) else 0
     assert facts["shared_stores"] == 0 and facts["products"] == products and facts["barriers"] == 3 + fold_barriers
     assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
 
@@ -105,6 +104,7 @@ def _cache(rows, slots, kv_heads, generator):
 @pytest.mark.parametrize("layout", ["row", "head-major"])
 @pytest.mark.parametrize("rows, slots, kv_heads, group, splits", [(2, 1024, 8, 4, 3), (3, 640, 2, 8, 4),
                                                                   (1, 64, 4, 1, 1), (2, 2048, 4, 1, 3),
+                                                                  (2, 640, 3, 3, 2), (1, 512, 2, 2, 2),
                                                                   (2, 4096, 1, 7, 5)])
 def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, layout):
     generator = torch.Generator().manual_seed(rows * slots + group)

@@ -553,7 +553,7 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
     SDPA, in the model's decode steps (a row of 520 pads leaves the far loop's splits of it nothing to attend: their
     maxima stay -inf). by_blocks: the codes stored head-major, as LatentCache stores them (`quantize.by_blocks`).
     group_heads 1: a KV head of one query head, whose far loop folds the value scales into the value product
-    (`gluon_far.folds_values`)."""
+    (`gluon_far.folds`)."""
     from lrkv_compile.lowering import gluon_far
 
     taken = []
