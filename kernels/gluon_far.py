@@ -15,7 +15,7 @@ per split the partial (max, sum, latent context) the decode kernel's combine red
 One warp per program owns its slots from codes to context. Per 16 slots, transposed mma.sync products (m16n8k16):
 scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and ctxT [128 channels, 8] += VT [128 channels,
 16 slots] @ pT [16 slots, 8]; four such groups per iteration of 64 slots share one online-softmax update, their values
-dequantized after it, each just before its product. Each 64-slot tile's codes, scales and zero points come into
+dequantized after it, each just before its product (or, where a KV head serves one query head, taken raw: FOLD). Each 64-slot tile's codes, scales and zero points come into
 shared memory by cp.async while the tile before it is computed (two stages, 13 KB a program). The warp waits on its
 own copies and on two barriers a tile (the second is Triton's own, before the first shared-memory read), with no
 other warp to wait for. So a warp's loads overlap its compute; with the codes loaded straight into registers, every
@@ -129,7 +129,10 @@ RAW_VALUE_ASM = gl.constexpr(_value_asm(fold=True))
 RAW_VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 7))
 # the folded value product's B operand, p times a slot's scale (or zero point), two at a time
 SCALE_P_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
-FOLD_SHIFT = gl.constexpr(8)  # FOLD's weights are 2^(score - max + 8), so that p * scale stays normal float16
+# FOLD's weights are 2^(score - max + 8), so that weights times value scales stay normal float16. Its bounds, in
+# float16 operands: value scales and zero points under 256 (3-bit codes over a range under 1,792), the sinks' exact
+# values under 512 (they enter times 2^shift, up to 128); past them the context is inf. Not checked at run time.
+FOLD_SHIFT = gl.constexpr(8)
 
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -360,14 +363,22 @@ def _pairs(x, like, layout: gl.constexpr):
 
 
 @gluon.jit
-def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
-    """VT [128 channels, 16 slots] as the A operand, from the stage's slots r0 .. r0 + 15 (shared memory)."""
+def _value_words(va_s, vb_s, r0: gl.constexpr):
+    """The value codes of the stage's slots r0 .. r0 + 15 as the lanes take them: int32 words 0, 1 and 2 (j0, j1, j2)
+    of the lane's 32-channel block, of slots 2t, 2t + 1, 2t + 8 and 2t + 9 (a, b, c, d)."""
     codes = gl.zeros([4, 2, 4], gl.int32, layout=LANES3)
-    scales = gl.zeros([2, 4, 4], gl.int32, layout=LANES3W)
     va = va_s.slice(r0, 16)
     j0a, j0b, j0c, j0d = _pairs(va.slice(0, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
     j1a, j1b, j1c, j1d = _pairs(va.slice(4, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
     j2a, j2b, j2c, j2d = _pairs(vb_s.slice(r0, 16).load(SLOT_PAIRS), codes, LANES3)
+    return j0a, j0b, j0c, j0d, j1a, j1b, j1c, j1d, j2a, j2b, j2c, j2d
+
+
+@gluon.jit
+def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
+    """VT [128 channels, 16 slots] as the A operand, from the stage's slots r0 .. r0 + 15 (shared memory)."""
+    scales = gl.zeros([2, 4, 4], gl.int32, layout=LANES3W)
+    j0a, j0b, j0c, j0d, j1a, j1b, j1c, j1d, j2a, j2b, j2c, j2d = _value_words(va_s, vb_s, r0)
     sa, sb, sc, sd = _pairs(vs_s.slice(r0, 16).load(SLOT_PAIRS_W), scales, LANES3W)
     za, zb, zc, zd = _pairs(vz_s.slice(r0, 16).load(SLOT_PAIRS_W), scales, LANES3W)
     V0 = gl.inline_asm_elementwise(VALUE_ASM, VALUE_CONSTRAINTS, [j0a, j1a, j2a, j0b, j1b, j2b, v_shift, sa, sb, za,
@@ -383,11 +394,7 @@ def _values(va_s, vb_s, vs_s, vz_s, r0: gl.constexpr, v_shift, v_selector):
 def _raw_values(va_s, vb_s, r0: gl.constexpr, v_shift):
     """VT [128 channels, 16 slots] as the A operand, 1024 + code * 2^shift, from the stage's slots r0 .. r0 + 15
     (FOLD: the scales go into the B operand, `_scaled_weights`)."""
-    codes = gl.zeros([4, 2, 4], gl.int32, layout=LANES3)
-    va = va_s.slice(r0, 16)
-    j0a, j0b, j0c, j0d = _pairs(va.slice(0, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
-    j1a, j1b, j1c, j1d = _pairs(va.slice(4, 4, dim=1).load(SLOT_PAIRS), codes, LANES3)
-    j2a, j2b, j2c, j2d = _pairs(vb_s.slice(r0, 16).load(SLOT_PAIRS), codes, LANES3)
+    j0a, j0b, j0c, j0d, j1a, j1b, j1c, j1d, j2a, j2b, j2c, j2d = _value_words(va_s, vb_s, r0)
     V0 = gl.inline_asm_elementwise(RAW_VALUE_ASM, RAW_VALUE_CONSTRAINTS, [j0a, j1a, j2a, j0b, j1b, j2b, v_shift],
                                    dtype=(gl.float16,) * 32, is_pure=True, pack=1)
     V1 = gl.inline_asm_elementwise(RAW_VALUE_ASM, RAW_VALUE_CONSTRAINTS, [j0c, j1c, j2c, j0d, j1d, j2d, v_shift],
@@ -472,6 +479,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     Both save the two multiply-adds per pair of codes of their dequantizing (1,165 SASS instructions a tile -> 824).
     With more query heads a KV head there is no such room in the value product, and the scores' fold alone did not
     pay (docs/gpu-notes.md)."""
+    gl.static_assert(GROUP_HEADS == 1 or not FOLD, "FOLD reads one query head a KV head (`gluon_far.folds`)")
     bh = gl.program_id(0)
     split = gl.program_id(1)
     b = bh // KV_HEADS

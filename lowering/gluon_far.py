@@ -81,8 +81,8 @@ def far_splits(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero,
     launch(gluon_far.far_kernel, (rows * kv_heads, splits), (
         key_words, *scale_words[:2], value_words, *((v_scale, v_zero) if fold else scale_words[2:]), exact_k, exact_v,
         queries, far_hi, mask, part_max, part_sum, part_acc, kw_sb, kw_sh // 4, ks_sb, ks_sh, vw_sb, vw_sh // 4, vs_sb,
-        vs_sh // 2, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0), exact_v.stride(1) if sinks else 0, mask_sb, splits,
-        row_splits),
+        vs_sh // 2, exact_k.stride(0), exact_k.stride(1) if sinks else 0, exact_v.stride(0),
+        exact_v.stride(1) if sinks else 0, mask_sb, splits, row_splits),
         dict(kw_ss=kw_ss, ks_ss=ks_ss, vw_ss=vw_ss, vs_ss=vs_ss, mask_ss=mask_ss, KV_HEADS=kv_heads,
              GROUP_HEADS=group, SINKS=sinks, HAS_MASK=attn_mask is not None, FOLD=fold, num_warps=1,
              maxnreg=REGISTERS))

@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon", reason="the Gluon far loop needs Triton's Gluon dialect")
 
+from triton.experimental.gluon import language as gl  # noqa: E402
+
 from lrkv_compile.kernels import gluon_far  # noqa: E402
 from lrkv_compile.lowering import gluon_far as lowering_far  # noqa: E402
 from lrkv_compile.lowering.gluon_far import combine, far_partials, far_splits, head_major  # noqa: E402
@@ -22,6 +24,15 @@ ON_GPU = torch.cuda.is_available()
 def test_channel_orders_are_permutations():
     assert sorted(gluon_far.key_rank_channels()) == list(range(64))
     assert sorted(gluon_far.value_channels()) == list(range(128))
+
+
+def test_the_folded_values_divide_each_row_by_the_shift_its_code_came_at():
+    """FOLD takes the value codes raw, as 1024 + code * 2^shift, and divides row ch of the context by 2^shift at the
+    end (`_value_shift`): the shift must be the one at which the value asm takes that row's code, output pair 8 X + i
+    for row 64 X + 8 i + g (`_value_operand`)."""
+    _, shifts = gluon_far._value_pairs()
+    for row in range(128):
+        assert gluon_far._value_shift.fn(row) == shifts[8 * (row >> 6) + ((row >> 3) & 7)]
 
 
 _COMPILE = """
@@ -60,7 +71,7 @@ print(json.dumps(dict(shared=compiled.metadata.shared, shared_stores=ptx.count("
 """
 
 
-@pytest.mark.parametrize("mask, group", [("mask", 4), ("no mask", 4), ("no mask", 1)])
+@pytest.mark.parametrize("mask, group", [("mask", 4), ("no mask", 4), ("mask", 1), ("no mask", 1)])
 def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     """The layouts' conversions are asserted trivial at compile time, so a compile is the check that the codes
     land in the products' operands without data movement: shared memory holds the two stages of copied tiles (104
@@ -80,17 +91,11 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     # places issue a tile's copies, each with 10 of 16 bytes a lane (key and value codes)
     products = 4 * 4 + 4 * 8 + 4 + 8 + (4 if lowering_far.folds(group) else 0)
     assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
-    # Triton before 3.9 puts a barrier between the two copies into the folded values' one buffer of scales and zero
+    # Triton before 3.9 (without `gl.barrier`, the name its 3.9 gives the barrier) puts a barrier between the two copies into the folded values' one buffer of scales and zero
     # points: one where the loop issues a tile, one where its prologue issues the first
-    fold_barriers = 2 if lowering_far.folds(group) and _triton_version() < (3, 9) else 0
+    fold_barriers = 2 if lowering_far.folds(group) and not hasattr(gl, "barrier") else 0
     assert facts["shared_stores"] == 0 and facts["products"] == products and facts["barriers"] == 3 + fold_barriers
     assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
-
-
-def _triton_version():
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def _cache(rows, slots, kv_heads, generator):
@@ -130,8 +135,8 @@ def test_matches_the_dequantized_cache(rows, slots, kv_heads, group, splits, lay
 @pytest.mark.parametrize("far_end", [128, 0])
 def test_empty_splits_write_empty_partials(far_end, group):
     """Splits past the row's far slots (four splits of 64 slots over 128 far slots, or none far) read nothing and
-    write what the reference writes for them: a maximum of -inf, a sum and a context of 0 (with the value scales
-    folded where a KV head serves one query head too)."""
+    write what the reference writes for them: a maximum of -inf, a sum and a context of 0 (also where a KV head
+    serves one query head, whose loop takes the scales out of the codes)."""
     rows, slots, kv_heads, splits = 2, 256, 2, 4
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = (
         head_major(t.cuda(), kv_heads) for t in _cache(rows, slots, kv_heads, torch.Generator().manual_seed(3)))

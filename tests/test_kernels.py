@@ -552,7 +552,7 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
     reads the copies, and so must both kernels. pads: left padding under the boolean mask transformers builds for
     SDPA, in the model's decode steps (a row of 520 pads leaves the far loop's splits of it nothing to attend: their
     maxima stay -inf). by_blocks: the codes stored head-major, as LatentCache stores them (`quantize.by_blocks`).
-    group_heads 1: a KV head of one query head, whose far loop folds the value scales into the value product
+    group_heads 1: a KV head of one query head, whose far loop takes the key and value scales out of the codes
     (`gluon_far.folds`)."""
     from lrkv_compile.lowering import gluon_far
 
@@ -568,7 +568,8 @@ def test_the_far_loop_takes_the_far_slots_of_the_budget_layout(near_slot, rope_w
         monkeypatch.setattr(triton_decode, "far_loop_able", lambda **_: True)
     kwargs = build_case(**{**BASE, "dtype": torch.float16, "head_dim": 128, "kv_heads": 2, "k_blocks": 2,
                            "v_blocks": 2, "k_block_rank": 64, "v_block_rank": 128, "length": 700,
-                           "group_heads": group_heads, "mask": "bool" if pads else "none", "padding": pads is not None, "pads": pads,
+                           "group_heads": group_heads, "mask": "bool" if pads else "none",
+                           "padding": pads is not None, "pads": pads,
                            "bias": False, "rope_window": rope_window, "start_position": 3000,
                            "by_blocks": by_blocks})
     assert kwargs["latent_k"].dim() == kwargs["latent_v"].dim() == (4 if by_blocks else 3)
