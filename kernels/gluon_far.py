@@ -15,8 +15,9 @@ per split the partial (max, sum, latent context) the decode kernel's combine red
 One warp per program owns its slots from codes to context. Per 16 slots, transposed mma.sync products (m16n8k16):
 scoresT [16 slots, 8 columns] = K [16 slots, 64 ranks] @ qT [64, 8] and ctxT [128 channels, 8] += VT [128 channels,
 16 slots] @ pT [16 slots, 8]; four such groups per iteration of 64 slots share one online-softmax update, their values
-dequantized after it, each just before its product (or, where a KV head serves one query head, taken raw: FOLD). Each 64-slot tile's codes, scales and zero points come into
-shared memory by cp.async while the tile before it is computed (two stages, 13 KB a program). The warp waits on its
+dequantized after it, each just before its product (or, where a KV head serves one query head, taken raw: FOLD).
+Each 64-slot tile's codes, scales and zero points come into shared memory by cp.async while the tile before it is
+computed (two stages, 13 KB a program). The warp waits on its
 own copies and on two barriers a tile (the second is Triton's own, before the first shared-memory read), with no
 other warp to wait for. So a warp's loads overlap its compute; with the codes loaded straight into registers, every
 warp waited on its own loads once a tile (docs/gpu-notes.md). From shared memory the codes load straight into the
@@ -118,15 +119,15 @@ def _value_asm(fold: bool = False) -> str:
 
 
 KEY_ASM = gl.constexpr(_key_asm())
-VALUE_ASM = gl.constexpr(_value_asm())
 KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r,r,r,r")
+VALUE_ASM = gl.constexpr(_value_asm())
+VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 12))
+# FOLD's: the codes raw, a float16 pair (an int32 word) as two float32
 RAW_KEY_ASM = gl.constexpr(_key_asm(fold=True))
 RAW_KEY_CONSTRAINTS = gl.constexpr("=h," * 8 + "r")
-# a float16 pair (an int32 word) as two float32
-HALVES_ASM = gl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}")
-VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 12))
 RAW_VALUE_ASM = gl.constexpr(_value_asm(fold=True))
 RAW_VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 7))
+HALVES_ASM = gl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}")
 # the folded value product's B operand, p times a slot's scale (or zero point), two at a time
 SCALE_P_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
 # FOLD's weights are 2^(score - max + 8), so that weights times value scales stay normal float16. Its bounds, in
@@ -137,6 +138,7 @@ FOLD_SHIFT = gl.constexpr(8)
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 # FOLD's scores [16 slots, 4]: MMA [16, 8] with its columns (2 j + key group g) split by group
 SCORES = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[],
@@ -146,7 +148,6 @@ MMA_TILES = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
     shape=[8, 16, 8]))
-B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 # key words [8 slots, 8 words]: lane (g, t) holds words 2t and 2t + 1 of slot g (blocked: it broadcasts a slot's
 # scales over its words)
 KEY_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
@@ -572,7 +573,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
             sc1 = mma_v2(_keys(kw_t, ks_t, kz_t, 16, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
             sc2 = mma_v2(_keys(kw_t, ks_t, kz_t, 32, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
             sc3 = mma_v2(_keys(kw_t, ks_t, kz_t, 48, selector), q, gl.zeros([16, 8], gl.float32, layout=MMA))
-        if SINKS > 0:
+        if SINKS > 0:  # the sinks' codes: their exact copies came first
             sc0 = gl.where((s0 + slot >= SINKS)[:, None], sc0, -float("inf"))
         if HAS_MASK:
             sc0 = _masked(sc0, mask_row, s0, slot, mask_ss)
@@ -581,10 +582,10 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
             sc3 = _masked(sc3, mask_row, s0 + 48, slot, mask_ss)
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), axis=0))
         m_use = m_new
-        if HAS_MASK:
+        if HAS_MASK:  # no slot seen yet (m_new -inf): exponents against 0, not -inf - -inf
             m_use = _finite(m_new)
         alpha = _ex2(m_i - m_use)
-        m_p = m_use - FOLD_SHIFT if FOLD else m_use
+        m_p = m_use - shift
         p0 = _ex2(sc0 - m_p[None, :])
         p1 = _ex2(sc1 - m_p[None, :])
         p2 = _ex2(sc2 - m_p[None, :])

@@ -91,8 +91,9 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     # places issue a tile's copies, each with 10 of 16 bytes a lane (key and value codes)
     products = 4 * 4 + 4 * 8 + 4 + 8 + (4 if lowering_far.folds(group) else 0)
     assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
-    # Triton before 3.9 (without `gl.barrier`, the name its 3.9 gives the barrier) puts a barrier between the two copies into the folded values' one buffer of scales and zero
-    # points: one where the loop issues a tile, one where its prologue issues the first
+    # Triton before 3.9 (without `gl.barrier`, the name its 3.9 gives the barrier) puts a barrier between the two
+    # copies into the folded values' one buffer of scales and zero points: one where the loop issues a tile, one
+    # where its prologue issues the first
     fold_barriers = 2 if lowering_far.folds(group) and not hasattr(gl, "barrier") else 0
     assert facts["shared_stores"] == 0 and facts["products"] == products and facts["barriers"] == 3 + fold_barriers
     assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
@@ -223,6 +224,31 @@ def test_the_launch_reads_each_layout_by_its_strides(monkeypatch):
     assert head_args[14:22] == (slots * 16, slots * 8 // 4, slots * 2, slots, slots * 24, slots * 12 // 4, slots * 4,
                                 slots * 2 // 2)
     assert [head_constants[name] for name in ("kw_ss", "ks_ss", "vw_ss", "vs_ss")] == [8, 1, 12, 2]
+
+
+def test_the_launch_folds_for_one_query_head_a_kv_head_only(monkeypatch):
+    """A KV head of one query head launches the folded loop (FOLD), its value scales and zero points as the cache's
+    float16 tensors, their strides still in words as the unfolded loop's; a KV head of four, the unfolded loop over
+    int32 views of the same bytes."""
+    launched = []
+    monkeypatch.setattr(lowering_far, "launch", lambda kernel, grid, args, constants: launched.append((args,
+                                                                                                       constants)))
+    rows, slots, kv_heads, splits = 2, 128, 2, 3
+    cache = [head_major(tensor, kv_heads) for tensor in _cache(rows, slots, kv_heads, torch.Generator().manual_seed(0))]
+    for group in (1, 4):
+        part = torch.empty(rows * kv_heads * splits * group)
+        far_splits(**dict(zip(("latent_k", "k_scale", "k_zero", "latent_v", "v_scale", "v_zero"), cache)),
+                   k_exact=None, v_exact=None, queries=torch.zeros(rows * kv_heads, 8, 64, dtype=torch.float16),
+                   far_hi=torch.full((rows * kv_heads,), slots, dtype=torch.int32), sinks=0, splits=splits,
+                   row_splits=splits, part_max=part, part_sum=part.clone(), part_acc=torch.empty(part.numel() * 128),
+                   kv_heads=kv_heads, group=group)
+    (one_args, one_constants), (four_args, four_constants) = launched
+    assert one_constants["FOLD"] and not four_constants["FOLD"]
+    v_scale, v_zero = cache[4:]
+    assert one_args[4] is v_scale and one_args[5] is v_zero
+    assert four_args[4].dtype == four_args[5].dtype == torch.int32
+    assert four_args[4].data_ptr() == v_scale.data_ptr() and four_args[5].data_ptr() == v_zero.data_ptr()
+    assert one_args[14:22] == four_args[14:22]
 
 
 def test_the_launch_refuses_zero_points_laid_out_unlike_their_scales(monkeypatch):
