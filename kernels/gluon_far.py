@@ -130,10 +130,12 @@ RAW_VALUE_CONSTRAINTS = gl.constexpr("=h," * 32 + ",".join("r" * 7))
 HALVES_ASM = gl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}")
 # the folded value product's B operand, p times a slot's scale (or zero point), two at a time
 SCALE_P_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
-# FOLD's weights are 2^(score - max + 8), so that weights times value scales stay normal float16. Its bounds, in
-# float16 operands: value scales and zero points under 256 (3-bit codes over a range under 1,792), the sinks' exact
-# values under 512 (they enter times 2^shift, up to 128); past them the context is inf. Not checked at run time.
+# FOLD's weights are 2^(score - max + FOLD_SHIFT), so that weights times value scales stay normal float16: the
+# products' B operand holds them, in float16. That bounds the value scales and zero points under 256 (3-bit codes
+# over a range under 1,792). A split whose context comes out inf or NaN (`_overflowed`) is computed again with weights
+# 2^(score - max + SAFE_SHIFT), at most 1/2, whose products with any float16 scale stay finite (`far_kernel`).
 FOLD_SHIFT = gl.constexpr(8)
+SAFE_SHIFT = gl.constexpr(-1)
 
 # layouts of one warp: the products' accumulator and operands
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -448,73 +450,29 @@ def _value_shift(ch):
 
 
 @gluon.jit
-def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, mask_ptr, m_ptr,
-               l_ptr, acc_ptr, kw_sb, kw_sh4, ks_sb, ks_sh, vw_sb, vw_sh4, vs_sb, vs_sh2, kx_sb, kx_ss, vx_sb, vx_ss,
-               mask_sb, splits, row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
-               vs_ss: gl.constexpr, mask_ss: gl.constexpr, KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr,
-               SINKS: gl.constexpr, HAS_MASK: gl.constexpr, FOLD: gl.constexpr):
-    """Partials of split program_id(1) (of `splits`) of (batch row, KV head) program_id(0) over the slots [0, end) of
-    its batch row b, all of them far (end: the least of far_hi_ptr[b * KV_HEADS + h] over its KV heads h, rounded
-    down to a multiple of 64; `latent_decode.far_prep_kernel`'s firsts): written as the decode kernel writes its
-    splits' (row (program_id(0) * row_splits + split) * GROUP_HEADS + query head of m_ptr, l_ptr: the running
-    maximum in base 2 and the sum of 2^(score - m); of acc_ptr [rows, 128]: the latent context, unnormalized). The
-    first SINKS slots (16 at most) come from their exact copies (kx_ptr, vx_ptr; their first rows), read by the
-    first split. The codes, scales and zero points are read as int32 words (a slot's key scales: one word, its two
-    groups; its value scales: two words), strides in words: the codes' head strides in units of four words (kw_sh4,
-    vw_sh4) and the value scales' in units of two (vs_sh2), so that the copies know their alignment. q_ptr [rows * KV
-    heads, 8 columns, 64 ranks] float16: the latent queries in the ranks' order (key_rank_channels), zero columns
-    past the query heads of a KV head. HAS_MASK: a boolean mask over the slots (mask_ptr + b * mask_sb + slot *
-    mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
-    -inf, their sum 0).
+def _empty():
+    """The partials of no slot: running maxima [8] -inf, sums [16, 8] (every row alike), context [128, 8] and FOLD's
+    column sums [16, 8] zero."""
+    return (gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA)),
+            gl.zeros([16, 8], gl.float32, layout=MMA), gl.zeros([128, 8], gl.float32, layout=MMA),
+            gl.zeros([16, 8], gl.float32, layout=MMA))
 
-    FOLD (one query head a KV head, `lowering.gluon_far.folds`; vs_ptr and vz_ptr then float16, their strides still
-    in words) takes the scales and zero points out of the codes, into the columns of the products that the one query
-    head leaves free. The key codes enter the scores' product unscaled (`_folded_scores`): its column 2 j + g holds
-    the query over key group g's ranks, and each slot's group scales and zero points apply to its output. The value
-    codes enter their product unscaled too, and its B operand holds in column n < 4 the weights times value group
-    n's scale of each slot, in column 4 + n times its zero point. A product of a row of ones with the same operand
-    sums each column over the slots, and each tile's product starts from -1024 times its column sums
-    (`_folded_tile`), so the context of a channel of group n and shift s is (its column n) / 2^s + (the sum of
-    column 4 + n), once at the end. The weights are 2^(score - max + FOLD_SHIFT), so that weights times scales stay
-    normal float16; sums and context are scaled back at the end.
-    Both save the two multiply-adds per pair of codes of their dequantizing (1,165 SASS instructions a tile -> 824).
-    With more query heads a KV head there is no such room in the value product, and the scores' fold alone did not
-    pay (docs/gpu-notes.md)."""
-    gl.static_assert(GROUP_HEADS == 1 or not FOLD, "FOLD reads one query head a KV head (`gluon_far.folds`)")
-    bh = gl.program_id(0)
-    split = gl.program_id(1)
-    b = bh // KV_HEADS
-    h = bh % KV_HEADS
-    heads = gl.arange(0, 64, layout=HEADS)  # where the row's far slots end: kernels/latent_decode.py's far_end
-    firsts = gl.load(far_hi_ptr + b * KV_HEADS + heads, mask=heads < KV_HEADS, other=2 ** 30)
-    n_far = gl.min(firsts, axis=0) // 64 * 64
-    per_split = (((n_far + splits - 1) // splits + 63) // 64) * 64
-    lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_far)
-    vs_unit = 2 if FOLD else 1  # elements a word of the value scales
-    rows = (kw_ptr + b * kw_sb + h * (kw_sh4 * 4), ks_ptr + b * ks_sb + h * ks_sh, kz_ptr + b * ks_sb + h * ks_sh,
-            vw_ptr + b * vw_sb + h * (vw_sh4 * 4), vs_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit,
-            vz_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit)
-    kw_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
-    ks_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
-    kz_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
-    va_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
-    vb_s = gl.allocate_shared_memory(gl.int32, [2, 64, 4], SMEM2)
-    if FOLD:  # a slot's value scales, then its zero points
-        vs_s = gl.allocate_shared_memory(gl.float16, [2, 64, 8], SMEM2)
-        vz_s = vs_s
-    else:
-        vs_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
-        vz_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
-    bufs = (kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s)
-    last = hi - 64  # a prefetch past the split's end reads its last tile again
-    if hi > lo:  # an empty split reads nothing
-        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD)
 
+@gluon.jit
+def _overflowed(acc):
+    """Whether the context holds an inf or NaN: FOLD's weights times a value scale or zero point past float16's
+    range."""
+    return gl.max(gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), axis=1), axis=0) > 0
+
+
+@gluon.jit
+def _operands(q_row, FOLD: gl.constexpr):
+    """The queries as the products take them (FOLD: also the raw keys' query by key group, its offset and the query
+    summed per group) and the codes' selectors and shifts (`_keys`, `_values`)."""
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     if FOLD:  # every column scores the one query head, column 2 j + g over key group g's ranks
-        q = gl.load(q_ptr + bh * 512 + r[:, None] + 0 * c[None, :])
+        q = gl.load(q_row + r[:, None] + 0 * c[None, :])
         channel = _key_channel(r)[:, None]
         q_own = gl.where(channel // 32 == (c % 2)[None, :], q, 0.0)  # over key group g's ranks
         q_fold = gl.where(channel % 2 == 1, q_own * 0.0625, q_own)  # the odd codes come at a shift of 4
@@ -525,7 +483,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
         sums0 = gl.convert_layout(sums0, gl.SliceLayout(0, SCORES))
         sums1 = gl.convert_layout(sums1, gl.SliceLayout(0, SCORES))
     else:
-        q = gl.load(q_ptr + bh * 512 + c[None, :] * 64 + r[:, None])
+        q = gl.load(q_row + c[None, :] * 64 + r[:, None])
     # the prmt selector of each key word's group (words 0-3: the scale word's low half, 4-7: its high half)
     kwd = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS))
     selector = gl.expand_dims(gl.where(kwd >= 4, 0x3232, 0x1010), 0)
@@ -534,27 +492,41 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     v_shift = ((lg % 2) * 16)[:, None] + 0 * lt[None, :]
     # the prmt selector of a value block's scales in their word: blocks 0 and 2 the low halves, 1 and 3 the high
     v_selector = gl.where((lg // 2) % 2 == 1, 0x7632, 0x5410)[:, None] + 0 * lt[None, :]
+    if FOLD:
+        queries = (q, q_fold, offset, sums0, sums1)
+    else:
+        queries = (q,)
+    return queries, (selector, v_shift, v_selector)
 
-    m_i = gl.full([8], -float("inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_rows = gl.zeros([16, 8], gl.float32, layout=MMA)
-    acc = gl.zeros([128, 8], gl.float32, layout=MMA)
-    sums = gl.zeros([16, 8], gl.float32, layout=MMA)  # FOLD: the B operand's columns summed over the slots
-    shift = FOLD_SHIFT if FOLD else 0.0  # the weights' exponent: 2^(score - max + shift)
+
+@gluon.jit
+def _split(bufs, rows, q_row, on, shift, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
+           vs_ss: gl.constexpr, mask_ss: gl.constexpr, SINKS: gl.constexpr, HAS_MASK: gl.constexpr,
+           FOLD: gl.constexpr):
+    """The partials (maxima, sums, context, FOLD's column sums) of the split's slots [lo, hi) (`far_kernel`), the
+    first tile's copies already issued into stage 0; weights 2^(score - max + shift)."""
+    kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s = bufs
+    lo, hi, last, split, n_far, h, kx_row, vx_row, mask_row, kx_ss, vx_ss = on
+    queries, codes = _operands(q_row, FOLD)
+    selector, v_shift, v_selector = codes
+    q = queries[0]
+    if FOLD:
+        q_fold, offset, sums0, sums1 = queries[1], queries[2], queries[3], queries[4]
+    m_i, l_rows, acc, sums = _empty()
     slot = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    mask_row = mask_ptr + b * mask_sb
     if SINKS > 0:
         if (split == 0) & (n_far > 0):
-            keys, values = _exact_tile(kx_ptr + b * kx_sb, vx_ptr + b * vx_sb, kx_ss, vx_ss, h, SINKS)
+            keys, values = _exact_tile(kx_row, vx_row, kx_ss, vx_ss, h, SINKS)
             scores = mma_v2(keys, q, gl.zeros([16, 8], gl.float32, layout=MMA))
             scores = gl.where((slot < SINKS)[:, None], scores, -float("inf"))
             if HAS_MASK:
                 scores = _masked(scores, mask_row, 0, slot, mask_ss)
             m_i = gl.max(scores, axis=0)
             l_rows = _ex2(scores - (_finite(m_i) - shift)[None, :])
-            if FOLD:  # every column, rows scaled as the folded context's are (taken back at the end)
-                ch = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))
-                values = values * (1 << _value_shift(ch)).to(gl.float16)[:, None]
             acc = mma_v2(values, gl.convert_layout(l_rows.to(gl.float16), B_OP), acc)
+            if FOLD:  # every column, rows scaled as the folded context's are (taken back at the end), in float32
+                ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+                acc = acc * (1 << _value_shift(ch)).to(gl.float32)[:, None]
     stage = 0
     for s0 in range(lo, hi, 64):
         async_copy.wait_group(0)
@@ -610,12 +582,96 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
                          gl.convert_layout(p3.to(gl.float16), B_OP), acc)
         stage = 1 - stage
     async_copy.wait_group(0)
+    return m_i, l_rows, acc, sums
+
+@gluon.jit
+def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, mask_ptr, m_ptr,
+               l_ptr, acc_ptr, kw_sb, kw_sh4, ks_sb, ks_sh, vw_sb, vw_sh4, vs_sb, vs_sh2, kx_sb, kx_ss, vx_sb, vx_ss,
+               mask_sb, splits, row_splits, kw_ss: gl.constexpr, ks_ss: gl.constexpr, vw_ss: gl.constexpr,
+               vs_ss: gl.constexpr, mask_ss: gl.constexpr, KV_HEADS: gl.constexpr, GROUP_HEADS: gl.constexpr,
+               SINKS: gl.constexpr, HAS_MASK: gl.constexpr, FOLD: gl.constexpr):
+    """Partials of split program_id(1) (of `splits`) of (batch row, KV head) program_id(0) over the slots [0, end) of
+    its batch row b, all of them far (end: the least of far_hi_ptr[b * KV_HEADS + h] over its KV heads h, rounded
+    down to a multiple of 64; `latent_decode.far_prep_kernel`'s firsts): written as the decode kernel writes its
+    splits' (row (program_id(0) * row_splits + split) * GROUP_HEADS + query head of m_ptr, l_ptr: the running
+    maximum in base 2 and the sum of 2^(score - m); of acc_ptr [rows, 128]: the latent context, unnormalized). The
+    first SINKS slots (16 at most) come from their exact copies (kx_ptr, vx_ptr; their first rows), read by the
+    first split. The codes, scales and zero points are read as int32 words (a slot's key scales: one word, its two
+    groups; its value scales: two words), strides in words: the codes' head strides in units of four words (kw_sh4,
+    vw_sh4) and the value scales' in units of two (vs_sh2), so that the copies know their alignment. q_ptr [rows * KV
+    heads, 8 columns, 64 ranks] float16: the latent queries in the ranks' order (key_rank_channels), zero columns
+    past the query heads of a KV head. HAS_MASK: a boolean mask over the slots (mask_ptr + b * mask_sb + slot *
+    mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
+    -inf, their sum 0).
+
+    FOLD (one query head a KV head, `lowering.gluon_far.folds`; vs_ptr and vz_ptr then float16, their strides still
+    in words) takes the scales and zero points out of the codes, into the columns of the products that the one query
+    head leaves free. The key codes enter the scores' product unscaled (`_folded_scores`): its column 2 j + g holds
+    the query over key group g's ranks, and each slot's group scales and zero points apply to its output. The value
+    codes enter their product unscaled too, and its B operand holds in column n < 4 the weights times value group
+    n's scale of each slot, in column 4 + n times its zero point. A product of a row of ones with the same operand
+    sums each column over the slots, and each tile's product starts from -1024 times its column sums
+    (`_folded_tile`), so the context of a channel of group n and shift s is (its column n) / 2^s + (the sum of
+    column 4 + n), once at the end. The weights are 2^(score - max + FOLD_SHIFT), so that weights times scales stay
+    normal float16; sums and context are scaled back at the end. Where a scale or zero point of 256 or more takes a
+    product past float16's range, the split's context comes out inf or NaN, and the split is computed again from its
+    first tile with weights 2^(score - max + SAFE_SHIFT) (a second copy of the loop, run by such splits only, so the
+    first keeps its registers). The sinks' exact values enter unscaled, their product scaled in float32.
+    Both save the two multiply-adds per pair of codes of their dequantizing (1,165 SASS instructions a tile -> 824).
+    With more query heads a KV head there is no such room in the value product, and the scores' fold alone did not
+    pay (docs/gpu-notes.md)."""
+    gl.static_assert(GROUP_HEADS == 1 or not FOLD, "FOLD reads one query head a KV head (`gluon_far.folds`)")
+    bh = gl.program_id(0)
+    split = gl.program_id(1)
+    b = bh // KV_HEADS
+    h = bh % KV_HEADS
+    heads = gl.arange(0, 64, layout=HEADS)  # where the row's far slots end: kernels/latent_decode.py's far_end
+    firsts = gl.load(far_hi_ptr + b * KV_HEADS + heads, mask=heads < KV_HEADS, other=2 ** 30)
+    n_far = gl.min(firsts, axis=0) // 64 * 64
+    per_split = (((n_far + splits - 1) // splits + 63) // 64) * 64
+    lo = split * per_split
+    hi = gl.minimum(lo + per_split, n_far)
+    vs_unit = 2 if FOLD else 1  # elements a word of the value scales
+    rows = (kw_ptr + b * kw_sb + h * (kw_sh4 * 4), ks_ptr + b * ks_sb + h * ks_sh, kz_ptr + b * ks_sb + h * ks_sh,
+            vw_ptr + b * vw_sb + h * (vw_sh4 * 4), vs_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit,
+            vz_ptr + (b * vs_sb + h * (vs_sh2 * 2)) * vs_unit)
+    kw_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
+    ks_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
+    kz_s = gl.allocate_shared_memory(gl.int32, [2, 64], SMEM1)
+    va_s = gl.allocate_shared_memory(gl.int32, [2, 64, 8], SMEM2)
+    vb_s = gl.allocate_shared_memory(gl.int32, [2, 64, 4], SMEM2)
+    if FOLD:  # a slot's value scales, then its zero points
+        vs_s = gl.allocate_shared_memory(gl.float16, [2, 64, 8], SMEM2)
+        vz_s = vs_s
+    else:
+        vs_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
+        vz_s = gl.allocate_shared_memory(gl.int32, [2, 64, 2], SMEM2)
+    bufs = (kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s)
+    last = hi - 64  # a prefetch past the split's end reads its last tile again
+    if hi > lo:  # an empty split reads nothing
+        _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD)
+
+    on = (lo, hi, last, split, n_far, h, kx_ptr + b * kx_sb, vx_ptr + b * vx_sb, mask_ptr + b * mask_sb, kx_ss, vx_ss)
+    if FOLD:  # at FOLD_SHIFT, and again at SAFE_SHIFT where a product left float16's range (`_overflowed`)
+        m_i, l_rows, acc, sums = _split(bufs, rows, q_ptr + bh * 512, on, FOLD_SHIFT, kw_ss, ks_ss, vw_ss, vs_ss,
+                                        mask_ss, SINKS, HAS_MASK, FOLD)
+        back = gl.to_tensor(1.0 / (1 << FOLD_SHIFT))
+        if _overflowed(acc):
+            _barrier()  # every lane is done reading the stages
+            if hi > lo:
+                _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD)
+            m_i, l_rows, acc, sums = _split(bufs, rows, q_ptr + bh * 512, on, SAFE_SHIFT, kw_ss, ks_ss, vw_ss,
+                                            vs_ss, mask_ss, SINKS, HAS_MASK, FOLD)
+            back = gl.to_tensor(2.0 ** -SAFE_SHIFT)
+    else:
+        m_i, l_rows, acc, sums = _split(bufs, rows, q_ptr + bh * 512, on, 0.0, kw_ss, ks_ss, vw_ss, vs_ss, mask_ss,
+                                        SINKS, HAS_MASK, FOLD)
+        back = 1.0
 
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row = (bh * row_splits + split) * GROUP_HEADS + cols
     ok = cols < GROUP_HEADS
     gl.store(m_ptr + row, m_i, mask=ok)
-    back = 1.0 / (1 << FOLD_SHIFT) if FOLD else 1.0
     gl.store(l_ptr + row, gl.sum(l_rows, axis=0) * back, mask=ok)
     ch = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
     if FOLD:  # row ch of value group n: its column n over 2^shift, plus the sum of column 4 + n

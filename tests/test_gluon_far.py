@@ -80,8 +80,9 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     read of shared memory) and the loop's end on a third, with the boolean mask of a model's decode step or without
     one, at `gluon_far.REGISTERS`, for a KV head of four query heads and of one, whose loop takes the scales out of
     the codes (`gluon_far.folds`: four more products, of a row of ones, per tile; the value scales and zero points
-    in one buffer of the same size). Compiled for sm_90 in a process of its own: under Triton's interpreter (the
-    tests' CPU setting) Gluon's builtins are interpreted functions, which its compiler refuses."""
+    in one buffer of the same size; and a second copy of the loop, with its own barrier, for the splits that come out
+    inf: `_overflowed`). Compiled for sm_90 in a process of its own: under Triton's interpreter (the tests' CPU
+    setting) Gluon's builtins are interpreted functions, which its compiler refuses."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, mask, str(group)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -89,14 +90,17 @@ def test_compiles_for_hopper_into_two_stages_of_shared_memory(mask, group):
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     # per 64 slots 4 x (4 + 8) products (and 4 of the ones where the values fold), and the sinks' tile's 4 + 8; two
     # places issue a tile's copies, each with 10 of 16 bytes a lane (key and value codes)
-    products = 4 * 4 + 4 * 8 + 4 + 8 + (4 if lowering_far.folds(group) else 0)
+    folds = lowering_far.folds(group)
+    loops = 2 if folds else 1  # the folded loop's second copy (`gluon_far.SAFE_SHIFT`)
+    products = loops * (4 * 4 + 4 * 8 + 4 + 8 + (4 if folds else 0))
     assert facts["shared"] == 2 * 64 * (32 + 4 + 4 + 48 + 8 + 8)
     # Triton before 3.9 (without `gl.barrier`, the name its 3.9 gives the barrier) puts a barrier between the two
     # copies into the folded values' one buffer of scales and zero points: one where the loop issues a tile, one
     # where its prologue issues the first
-    fold_barriers = 2 if lowering_far.folds(group) and not hasattr(gl, "barrier") else 0
-    assert facts["shared_stores"] == 0 and facts["products"] == products and facts["barriers"] == 3 + fold_barriers
-    assert facts["wide_copies"] == 2 * 10 and facts["copies"] > facts["wide_copies"]
+    fold_barriers = 2 if folds and not hasattr(gl, "barrier") else 0
+    barriers = loops * (3 + fold_barriers) + (1 if folds else 0)  # and the one before the second copy's first tile
+    assert facts["shared_stores"] == 0 and facts["products"] == products and facts["barriers"] == barriers
+    assert facts["wide_copies"] == loops * 2 * 10 and facts["copies"] > facts["wide_copies"]
 
 
 def _cache(rows, slots, kv_heads, generator):
@@ -158,6 +162,43 @@ def test_empty_splits_write_empty_partials(far_end, group):
     torch.testing.assert_close(m, expected[0], rtol=1e-2, atol=1e-2)  # float16 codes and products against float32
     torch.testing.assert_close(l, expected[1], rtol=1e-2, atol=1e-2)
     assert (ctx - expected[2]).abs().max() <= 1e-2 * expected[2].abs().max()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
+                                       "the CPU compiles them for sm_90 above")
+@pytest.mark.parametrize("group", [1, 4])
+def test_values_past_the_folds_float16_range(group):
+    """Value scales and zero points of 256 or more (a few slots of values in the thousands) and sinks' exact values
+    of 512 or more: the folded loop's weights times them pass float16's range, so its splits holding them are
+    computed again at a lower shift (`gluon_far.SAFE_SHIFT`) and give what the reference gives; the same cache
+    through the loop that dequantizes the codes (four query heads a KV head) too."""
+    rows, slots, kv_heads, splits, sinks = 2, 1024, 4, 3, 4
+    generator = torch.Generator().manual_seed(5)
+    latent_k = torch.randn(rows, slots, kv_heads * 64, generator=generator)
+    latent_v = torch.randn(rows, slots, kv_heads * 128, generator=generator)
+    latent_v[0, 300:340] *= 3000.0  # scales near 3000 * 6 / 7, zero points near -9000
+    latent_v[1, 700, :128] += 5000.0  # one slot of one KV head: a zero point near 5000
+    cache = [head_major(t.cuda(), kv_heads) for t in (*quantize(latent_k, 4, 32), *quantize(latent_v, 3, 32))]
+    assert float(cache[4].abs().max()) >= 256 and float(cache[5].abs().max()) >= 256
+    k_exact = torch.randn(rows, sinks, kv_heads * 64, generator=generator).half().cuda()
+    v_exact = (torch.randn(rows, sinks, kv_heads * 128, generator=generator) * 1000.0).half().cuda()
+    queries = lowering_far.kernel_queries((torch.randn(rows, kv_heads, group, 64, generator=generator) * 0.2)
+                                          .half().cuda())
+    far_hi = torch.full((rows * kv_heads,), slots, dtype=torch.int32, device="cuda")
+    outputs = []
+    for launcher in (far_splits, lowering_far.reference_far_splits):
+        m, l = (torch.empty(rows, kv_heads, splits, group, device="cuda") for _ in "ml")
+        ctx = torch.empty(rows, kv_heads, splits, group, 128, device="cuda")
+        launcher(latent_k=cache[0], k_scale=cache[1], k_zero=cache[2], k_exact=k_exact, latent_v=cache[3],
+                 v_scale=cache[4], v_zero=cache[5], v_exact=v_exact, queries=queries, far_hi=far_hi, sinks=sinks,
+                 splits=splits, row_splits=splits, part_max=m, part_sum=l, part_acc=ctx, kv_heads=kv_heads,
+                 group=group)
+        outputs.append((m, l, ctx))
+    (m, l, ctx), (m_ref, l_ref, ctx_ref) = outputs
+    assert torch.isfinite(ctx).all() and torch.isfinite(l).all()
+    torch.testing.assert_close(m, m_ref, rtol=1e-2, atol=1e-2)
+    got, want = ctx / l[..., None], ctx_ref / l_ref[..., None]  # each split's softmax-weighted context
+    assert ((got - want).abs() <= 2e-3 * want.abs().amax(-1, keepdim=True)).all()
 
 
 def test_refuses_codes_whose_head_stride_is_not_whole_16_bytes():
