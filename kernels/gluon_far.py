@@ -131,9 +131,10 @@ HALVES_ASM = gl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.f32.
 # the folded value product's B operand, p times a slot's scale (or zero point), two at a time
 SCALE_P_ASM = gl.constexpr("mul.rn.f16x2 $0, $1, $2;")
 # FOLD's weights are 2^(score - max + FOLD_SHIFT), so that weights times value scales stay normal float16: the
-# products' B operand holds them, in float16. That bounds the value scales and zero points under 256 (3-bit codes
-# over a range under 1,792). A split whose context comes out inf or NaN (`_overflowed`) is computed again with weights
-# 2^(score - max + SAFE_SHIFT), at most 1/2, whose products with any float16 scale stay finite (`far_kernel`).
+# products' B operand holds them, in float16, so this first pass needs value scales and zero points under 256 (3-bit
+# codes over a range under 1,792). A split whose context comes out inf or NaN (`_overflowed`) is computed again with
+# weights 2^(score - max + SAFE_SHIFT), at most 1/2 (1 would do; 1/2 for margin), whose products with any float16
+# scale stay finite (`far_kernel`).
 FOLD_SHIFT = gl.constexpr(8)
 SAFE_SHIFT = gl.constexpr(-1)
 
@@ -584,6 +585,7 @@ def _split(bufs, rows, q_row, on, shift, kw_ss: gl.constexpr, ks_ss: gl.constexp
     async_copy.wait_group(0)
     return m_i, l_rows, acc, sums
 
+
 @gluon.jit
 def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q_ptr, far_hi_ptr, mask_ptr, m_ptr,
                l_ptr, acc_ptr, kw_sb, kw_sh4, ks_sb, ks_sh, vw_sb, vw_sh4, vs_sb, vs_sh2, kx_sb, kx_ss, vx_sb, vx_ss,
@@ -655,7 +657,7 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     if FOLD:  # at FOLD_SHIFT, and again at SAFE_SHIFT where a product left float16's range (`_overflowed`)
         m_i, l_rows, acc, sums = _split(bufs, rows, q_ptr + bh * 512, on, FOLD_SHIFT, kw_ss, ks_ss, vw_ss, vs_ss,
                                         mask_ss, SINKS, HAS_MASK, FOLD)
-        back = gl.to_tensor(1.0 / (1 << FOLD_SHIFT))
+        back = gl.to_tensor(2.0 ** -FOLD_SHIFT)
         if _overflowed(acc):
             _barrier()  # every lane is done reading the stages
             if hi > lo:
