@@ -10,11 +10,20 @@ from .launch import launch
 
 BLOCK = 64  # slots per iteration of a program
 RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit keys, 3-bit values, per-token groups)
-# programs a multiprocessor the far loop's splits aim at (one wave). A one-warp program holds 13 KB of shared memory
-# (two stages of 64 slots), so 16 would fit. On an H100, with the codes loaded straight into registers (no stages), 16
-# suited Llama-3-8B's shape and 12 Llama-2-7B's (MHA: 545 -> 416 us at 16K and batch 16); on an H200 with the stages,
-# 12 suits both (below, `REGISTERS`; docs/gpu-notes.md)
-WAVE = 12
+# programs a multiprocessor the far loop's splits aim at (one wave), by device (`wave`). A one-warp program holds 13 KB
+# of shared memory (two stages of 64 slots), so 16 would fit. On an H200 with the stages, 12 suits both shapes (below,
+# `REGISTERS`); on an H100 with the stages and the fold, 8 (the decode step, budget 0.2 w1024, ms at 16K and batch 16 /
+# 64K and batch 4, at 12 -> 8: Llama-3-8B 0.1261 / 0.1295 -> 0.1223 / 0.1236, Llama-2-7B 0.4056 / 0.3450 -> 0.3996 /
+# 0.3392; 5, 6, 7, 9, 10, 11, 13 and 16 no faster; docs/gpu-notes.md, "Stop 65")
+WAVES = {"H100": 8}  # a part of the device's name -> programs a multiprocessor
+WAVE = 12  # elsewhere
+
+
+@functools.cache
+def wave(device: torch.device) -> int:
+    """Programs a multiprocessor the far loop's splits aim at on `device` (`WAVES`, else `WAVE`)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((programs for part, programs in WAVES.items() if part in name), WAVE)
 
 
 # registers a thread of the far loop (no spill): 12 programs a multiprocessor fit. The decode step on an H200

@@ -488,11 +488,11 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     kernel = latent_decode.latent_decode_kernel
     if config is None:
         config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
-    # the far slots through the Gluon far loop, in its splits (one wave of its programs, gluon_far.WAVE), before this
+    # the far slots through the Gluon far loop, in its splits (one wave of its programs, gluon_far.wave), before this
     # kernel's; start: far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
     far_splits, start = 0, None
     if config.far_loop and capacity >= FAR_LOOP_FROM and far_loop_able(**locals()):
-        far_splits = min(MAX_SPLITS, max(1, round(gluon_far.WAVE * _multiprocessors(device)
+        far_splits = min(MAX_SPLITS, max(1, round(gluon_far.wave(device) * _multiprocessors(device)
                                                   / (batch * num_kv_heads))))
         start = torch.empty(batch * num_kv_heads, dtype=torch.int32, device=device)
     far, far_bias = query, query

@@ -338,3 +338,18 @@ def test_far_and_near_splits_fill_a_wave_and_stay_under_the_combines_cap(far, wa
     got = far_and_near_splits(far, wave, near, 64)
     assert got == splits
     assert sum(got) <= MAX_SPLITS and min(got) >= 1
+
+
+@pytest.mark.parametrize("name, programs", [("NVIDIA H100 80GB HBM3", 8), ("NVIDIA H100 PCIe", 8),
+                                            ("NVIDIA H200", lowering_far.WAVE), ("NVIDIA A100-SXM4-80GB",
+                                                                                lowering_far.WAVE)])
+def test_the_far_loops_wave_follows_the_device(name, programs, monkeypatch):
+    """The far loop's programs a multiprocessor are what was measured fastest on the device at hand (8 on an H100),
+    12 elsewhere; on a CPU (the tests' stand-in) 12."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    lowering_far.wave.cache_clear()
+    try:
+        assert lowering_far.wave(torch.device("cuda", 0)) == programs
+    finally:
+        lowering_far.wave.cache_clear()
+    assert lowering_far.wave(torch.device("cpu")) == lowering_far.WAVE == 12
