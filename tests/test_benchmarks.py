@@ -96,3 +96,31 @@ def test_attention_benchmark_sweeps_launch_geometries_and_runs_each_plan_at_its_
     for row in rows:
         swept = fastest["head keep 0.25" if row["plan"] == "head keep 0.5" else row["plan"]]
         assert swept == row["geometry"], (row["plan"], swept, row["config"])
+
+
+H100_RESULTS = ["benchmarks/results/attention-nvidia-h100-80gb-hbm3-8b0512c.json",
+                "benchmarks/results/attention-nvidia-h100-80gb-hbm3-8b0512c-rest.json",
+                "benchmarks/results/attention-nvidia-h100-80gb-hbm3-d02bdb8.json"]
+
+
+def test_the_attention_plot_takes_each_rows_newest_run(tmp_path):
+    out = tmp_path / "attention.png"
+    result = subprocess.run([sys.executable, "benchmarks/plot_attention.py", *H100_RESULTS, "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = {(row["shape"], row["plan"], row["context"]): row for row in map(json.loads, result.stdout.splitlines())}
+    # 2 shapes x 6 head-wise plans x 2 contexts with a target (16K, 64K); the joint plans' rows were skipped there
+    assert len(rows) == 24 and all(row["target"] for row in rows.values())
+    # in the newest file, and in an older one too: the newest wins
+    newest = rows[("llama3-8b", "budget 0.2 w1024", 16384)]
+    assert newest["source"].endswith("d02bdb8.json") and newest["speedup"] == 2.756
+    assert rows[("llama3-8b", "head keep 0.25", 16384)]["source"].endswith("8b0512c-rest.json")
+
+
+def test_the_attention_plot_refuses_a_file_that_is_not_a_result(tmp_path):
+    bogus = tmp_path / "rows.json"
+    bogus.write_text("[1, 2]")
+    result = subprocess.run([sys.executable, "benchmarks/plot_attention.py", str(bogus), "--out",
+                             str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and "not a result file of benchmarks/attention.py" in result.stderr
