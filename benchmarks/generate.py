@@ -135,10 +135,16 @@ def held_bytes(tensors):
     return sum(storages.values())
 
 
+WARMUP_STEPS = 6  # untimed calls after the first: an lrkv step's replays settle over about five (below)
+
+
 def time_steps(step, steps, device, rewind):
-    """(seconds of the first call, median seconds of `steps` later calls). rewind, before each call and outside its
-    time, puts the cache back where the step found it, so that every step decodes at the same slot: it is no part of
-    a decode step (32 launches of a fill took about 0.8 ms on an H100's host, a sixteenth of an lrkv step)."""
+    """(seconds of the first call, median seconds of `steps` calls after WARMUP_STEPS more). rewind, before each call
+    and outside its time, puts the cache back where the step found it, so that every step decodes at the same slot: it
+    is no part of a decode step (32 launches of a fill took about 0.8 ms on an H100's host, a sixteenth of an lrkv
+    step). Warm-up: on an H100 the windowed budget plan's first replays after the one that records its CUDA graph took
+    12.0, 12.6, 12.0, 11.8 and 11.7 ms, the rest 11.6-11.7 (docs/gpu-notes.md, stop 67), so the timed steps start
+    after them."""
     def timed():
         rewind()
         if device.type == "cuda":
@@ -149,7 +155,7 @@ def time_steps(step, steps, device, rewind):
             torch.cuda.synchronize()
         return time.perf_counter() - start
     first = timed()
-    for _ in range(2):
+    for _ in range(WARMUP_STEPS):
         timed()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -170,7 +176,7 @@ def measure(path, step, rewind, cache_bytes, batch, context, steps, device, comp
         first, step_s = time_steps(step, steps, device, rewind)
     except Exception as error:
         return error_row(path, batch, context, error)
-    launches = len(kernel_calls) / (steps + 3)
+    launches = len(kernel_calls) / (steps + 1 + WARMUP_STEPS)
     if profile:  # where a step's time goes: the device kernels of three steps, most time first
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as profiler:
