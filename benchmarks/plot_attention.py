@@ -17,8 +17,8 @@ KEY = ("shape", "plan", "batch", "context")
 
 
 def target_rows(paths):
-    """The rows with a target, later files first in their (shape, plan, batch, context), sorted by shape, plan and
-    context."""
+    """The rows with a target, each (shape, plan, batch, context) from the last file that has it, sorted by shape, plan
+    and context."""
     rows = {}
     for path in paths:
         data = json.loads(pathlib.Path(path).read_text())
