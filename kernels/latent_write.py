@@ -1,7 +1,7 @@
-"""Triton latent write: one side's new latents into the cache, quantized at write time, in one launch (the `@triton.jit`
-code only; the launcher is `lowering/triton_write.py`, the oracle `reference.latent_write`).
+"""Triton latent write: both sides' new latents into the cache, quantized at write time, and the context check, in one
+launch (the `@triton.jit` code only; the launcher is `lowering/triton_write.py`, the oracle `reference.latent_write`).
 
-One program per (batch row, new token). A 16-bit side copies the latent to its slot. A quantized side (per-token
+One program per (batch row, new token, side). A 16-bit side copies the latent to its slot. A quantized side (per-token
 scales, groups of a multiple of 8 channels, no float16 outlier channels) reads the latent as runs of 8 channels,
 [RUNS, 8]: 8 codes of `BITS` bits fill exactly `BITS` bytes, so each run packs into one little-endian word and
 is stored as its bytes (`quantize.pack_codes`' stream; 3-bit bytes where `quantize.three_bit_order` puts them). A
@@ -24,17 +24,13 @@ def _round_half_even(x):
 
 
 @triton.jit
-def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, lat_sk, scale_ptr, zero_ptr, sz_sb,
-                        sz_ss, sz_sk, exact_ptr, ex_sb, ex_ss, length_ptr, tokens, capacity,
-                        sinks, window, pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st,
-                        RANK: tl.constexpr, RUNS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                        STORED: tl.constexpr, HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
-    """Token t of row b: sequence index length + t, slot index % capacity. RUNS: a power of two >= RANK / 8. Codes
+def _write_side(b, t, index, slot, new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, lat_sk, scale_ptr, zero_ptr,
+                sz_sb, sz_ss, sz_sk, exact_ptr, ex_sb, ex_ss, tokens, sinks, window, pos_ptr, pos_sb, new_pos_ptr,
+                new_pos_sb, new_pos_st, RANK: tl.constexpr, RUNS: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, STORED: tl.constexpr, HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
+    """Token t of row b into one side: sequence index `index`, slot `slot`. RUNS: a power of two >= RANK / 8. Codes
     stored by blocks (`quantize.by_blocks`, STORED: a block's channels) go to the block that holds them, lat_sk and
     sz_sk apart; STORED 0: rows (as latent_tiles.stored_block, a compile-time choice)."""
-    b, t = tl.program_id(0), tl.program_id(1)
-    index = tl.load(length_ptr).to(tl.int32) + t
-    slot = index % capacity
     run = tl.arange(0, RUNS)[:, None]
     channel = run * 8 + tl.arange(0, 8)[None, :]                                    # [RUNS, 8]
     inside = channel < RANK
@@ -86,3 +82,37 @@ def latent_write_kernel(new_ptr, new_sb, new_st, latent_ptr, lat_sb, lat_ss, lat
     if WRITE_POSITIONS:
         position = tl.load(new_pos_ptr + b * new_pos_sb + t * new_pos_st)
         tl.store(pos_ptr + b * pos_sb + index, position.to(pos_ptr.dtype.element_ty))
+
+
+@triton.jit
+def latent_write_kernel(k_new, k_new_sb, k_new_st, k_latent, k_lat_sb, k_lat_ss, k_lat_sk, k_scale, k_zero, k_sz_sb,
+                        k_sz_ss, k_sz_sk, k_exact, k_ex_sb, k_ex_ss, k_sinks, k_window,
+                        v_new, v_new_sb, v_new_st, v_latent, v_lat_sb, v_lat_ss, v_lat_sk, v_scale, v_zero, v_sz_sb,
+                        v_sz_ss, v_sz_sk, v_exact, v_ex_sb, v_ex_ss, v_sinks, v_window,
+                        length_ptr, tokens, slots, capacity, room_ptr, pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st,
+                        K_RANK: tl.constexpr, K_RUNS: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+                        K_STORED: tl.constexpr, K_HAS_EXACT: tl.constexpr,
+                        V_RANK: tl.constexpr, V_RUNS: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                        V_STORED: tl.constexpr, V_HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
+    """One program per (batch row, new token, side: 0 keys, 1 values); token t of row b is sequence index length + t,
+    slot index % slots (a ring where slots < capacity). The context check is here too: where length + tokens passes
+    the capacity (the positions' slots) nothing is written, and program (0, 0, 0) stores whether it fits at room_ptr for the launcher's device assertion (one
+    launch for both sides and the check, where there were two and a comparison)."""
+    b, t, side = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(length_ptr).to(tl.int32)
+    fits = length <= capacity - tokens
+    if (b == 0) & (t == 0) & (side == 0):
+        tl.store(room_ptr, fits.to(tl.int8))
+    if fits:
+        index = length + t
+        slot = index % slots
+        if side == 0:
+            _write_side(b, t, index, slot, k_new, k_new_sb, k_new_st, k_latent, k_lat_sb, k_lat_ss, k_lat_sk, k_scale,
+                        k_zero, k_sz_sb, k_sz_ss, k_sz_sk, k_exact, k_ex_sb, k_ex_ss, tokens, k_sinks, k_window,
+                        pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st, K_RANK, K_RUNS, K_BITS, K_GROUP,
+                        K_STORED, K_HAS_EXACT, WRITE_POSITIONS)
+        else:
+            _write_side(b, t, index, slot, v_new, v_new_sb, v_new_st, v_latent, v_lat_sb, v_lat_ss, v_lat_sk, v_scale,
+                        v_zero, v_sz_sb, v_sz_ss, v_sz_sk, v_exact, v_ex_sb, v_ex_ss, tokens, v_sinks, v_window,
+                        pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st, V_RANK, V_RUNS, V_BITS, V_GROUP,
+                        V_STORED, V_HAS_EXACT, False)

@@ -82,22 +82,29 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
             exact[:batch].index_copy_(1, sinks + recent % window, new[:, -len(recent):].to(exact.dtype))
 
 
-def _check_room(length, tokens, capacity, batch, max_batch):
+ROOM_FIX = "create the LatentCache with max_cache_len >= prompt length + max_new_tokens"
+
+
+def _check_room(length, tokens, capacity, batch, max_batch) -> bool:
     """A CacheOverflowError where the batch passes the cache's `max_batch` rows or the context would pass its
-    `capacity` slots. On the GPU the context check runs there (an assertion the device raises), so the write never
-    waits for the device."""
+    `capacity` slots; whether the context was checked here. On the GPU it is not: the check runs there, so the write
+    never waits for the device, and the caller asserts it on the device (`_assert_room`; the Triton write's kernel
+    compares it itself)."""
     if batch > max_batch:
         raise CacheOverflowError(f"batch of {batch} sequences but this LatentCache holds max_batch_size={max_batch}; "
                                  "create it with a larger max_batch_size")
-    fix = "create the LatentCache with max_cache_len >= prompt length + max_new_tokens"
-    if length.device.type == "cpu":
-        if int(length) + tokens > capacity:
-            raise CacheOverflowError(f"the context needs {int(length) + tokens} cache slots but this LatentCache "
-                                     f"holds max_cache_len={capacity}; {fix}")
-        return
-    # against capacity - tokens, a number: one comparison kernel before the assertion's own, not an addition too
-    torch._assert_async(length <= capacity - tokens, f"lrkv CacheOverflowError: the context needs more cache slots "
-                                                     f"than this LatentCache holds (max_cache_len={capacity}); {fix}")
+    if length.device.type != "cpu":
+        return False
+    if int(length) + tokens > capacity:
+        raise CacheOverflowError(f"the context needs {int(length) + tokens} cache slots but this LatentCache "
+                                 f"holds max_cache_len={capacity}; {ROOM_FIX}")
+    return True
+
+
+def _assert_room(fits: torch.Tensor, capacity: int) -> None:
+    """The context check on the device: an assertion the device raises where `fits` (one element) is zero."""
+    torch._assert_async(fits, f"lrkv CacheOverflowError: the context needs more cache slots than this LatentCache "
+                              f"holds (max_cache_len={capacity}); {ROOM_FIX}")
 
 
 def ring_indices(start: int, ring: int, device) -> torch.Tensor:
@@ -173,7 +180,9 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
     batch, tokens = new_k.shape[0], new_k.shape[1]
     capacity = positions.shape[1]  # a sliding-window layer's latents are a shorter ring; positions cover the context
     length = torch.as_tensor(length, device=positions.device)
-    _check_room(length, tokens, capacity, batch, latent_k.shape[0])
+    if not _check_room(length, tokens, capacity, batch, latent_k.shape[0]):
+        # against capacity - tokens, a number: one comparison kernel before the assertion's own, not an addition too
+        _assert_room(length <= capacity - tokens, capacity)
     indices = length + torch.arange(tokens, device=positions.device)  # sequence indices [tokens]
     _store(latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers, batch, indices)
     _store(latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers, batch, indices)

@@ -1,9 +1,10 @@
-"""Triton lowering of `latent_write`: input checks and one launch per side (`kernels/latent_write.py`).
+"""Triton lowering of `latent_write`: input checks and one launch for both sides (`kernels/latent_write.py`).
 
 `latent_write(**kwargs)` takes the keyword arguments of `reference.latent_write` and writes what it writes (the
 same bytes); anything it does not cover raises NotImplementedError naming what, before writing anything, so the
 caller can run the reference instead. Like the reference it never reads the device on the host: the length stays
-a tensor, and a context longer than the cache is a device assertion on the GPU (`reference._check_room`).
+a tensor, and a context longer than the cache is a device assertion on the GPU (`reference._assert_room`) on what
+the kernel found, which then writes nothing.
 """
 import os
 
@@ -13,7 +14,7 @@ import triton
 from lrkv_compile.kernels import latent_write as kernels
 from . import quantize
 from .launch import launch
-from .reference import _check_room
+from .reference import _assert_room, _check_room
 
 
 def _side_constants(name, latent, scale, zero, new, bits, group, axis, outliers):
@@ -53,28 +54,40 @@ def latent_write(*, latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zer
     batch, tokens = new_k.shape[0], new_k.shape[1]
     sides = [("k", latent_k, k_scale, k_zero, k_exact, new_k, k_bits, k_group, k_sinks, k_axis, k_outliers),
              ("v", latent_v, v_scale, v_zero, v_exact, new_v, v_bits, v_group, v_sinks, v_axis, v_outliers)]
-    constants = [_side_constants(name, latent, scale, zero, new, bits, group, axis, outliers)
-                 for name, latent, scale, zero, _, new, bits, group, _, axis, outliers in sides]
+    constants_by_side = [_side_constants(name, latent, scale, zero, new, bits, group, axis, outliers)
+                         for name, latent, scale, zero, _, new, bits, group, _, axis, outliers in sides]
     if any(tokens > side[1].shape[1] for side in sides):
         raise NotImplementedError(f"{tokens} tokens into a ring of fewer slots: the Triton write writes each token")
+    slots = {side[1].shape[1] for side in sides}
+    if len(slots) > 1:
+        raise NotImplementedError(f"latent_k and latent_v of {sorted(slots)} slots: the Triton write takes one ring "
+                                  "or cache length for both")
     length = torch.as_tensor(length, device=positions.device)
-    _check_room(length, tokens, positions.shape[1], batch, latent_k.shape[0])
+    capacity = positions.shape[1]
+    checked = _check_room(length, tokens, capacity, batch, latent_k.shape[0])
     if new_positions is not None:
         new_positions = new_positions.reshape(new_positions.shape[0], tokens)
-    for (name, latent, scale, zero, exact, new, bits, group, sinks, axis, outliers), const in zip(sides, constants):
+    arguments, constants = [], {}
+    for (name, latent, scale, zero, exact, new, bits, group, sinks, _, _), const in zip(sides, constants_by_side):
         new = new.reshape(batch, tokens, -1)
-        write_positions = name == "k" and new_positions is not None
-        source = new_positions if write_positions else positions
         quantized = bits != 16
         by_blocks = bool(const["STORED"])  # stored apart (`quantize.by_blocks`), checked by _side_constants
-        launch(kernels.latent_write_kernel, (batch, tokens), (
+        arguments += [
             new, new.stride(0), new.stride(1), latent, latent.stride(0), latent.stride(1),
             latent.stride(2) if by_blocks else 0, scale if quantized else latent, zero if quantized else latent,
             scale.stride(0) if quantized else 0, scale.stride(1) if quantized else 0,
             scale.stride(2) if by_blocks else 0,
             exact if exact.numel() else latent, exact.stride(0) if exact.numel() else 0,
-            exact.stride(1) if exact.numel() else 0, length, tokens, latent.shape[1], sinks,
-            exact.shape[1] - sinks if exact.numel() else 0,
-            positions, positions.stride(0), source,
-            source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
-            dict(**const, HAS_EXACT=bool(exact.numel()), WRITE_POSITIONS=write_positions))
+            exact.stride(1) if exact.numel() else 0, sinks, exact.shape[1] - sinks if exact.numel() else 0]
+        constants.update({f"{name.upper()}_{key}": value for key, value in const.items()},
+                         **{f"{name.upper()}_HAS_EXACT": bool(exact.numel())})
+    write_positions = new_positions is not None
+    source = new_positions if write_positions else positions
+    # whether the context fits, from the kernel, for the device assertion (the host checked it where it could)
+    room = torch.empty((), dtype=torch.int8, device=positions.device)
+    launch(kernels.latent_write_kernel, (batch, tokens, 2), (
+        *arguments, length, tokens, slots.pop(), capacity, room, positions, positions.stride(0), source,
+        source.stride(0) if source.shape[0] > 1 else 0, source.stride(1) if write_positions else 0),
+        dict(**constants, WRITE_POSITIONS=write_positions))
+    if not checked:
+        _assert_room(room, capacity)

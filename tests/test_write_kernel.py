@@ -102,3 +102,29 @@ def test_what_the_write_does_not_cover_raises_not_implemented(change, what):
             new_k=torch.randn(1, tokens, 24 if "k_group" in change else 32, device=DEVICE),
             new_v=torch.randn(1, tokens, 32, device=DEVICE), new_positions=None, length=torch.tensor(0, device=DEVICE),
             **layout)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on the GPU a context past the cache stops the device (a device assertion: "
+                                   "tests/test_cache.py); here the kernel's own check runs under the interpreter")
+def test_the_write_kernel_writes_nothing_past_the_cache_and_says_so(monkeypatch):
+    """The kernel compares the context with the capacity itself (the host check, which on the GPU is not made, taken
+    out): a write that would pass the positions' slots stores nothing and reports 0 for the device assertion; one that
+    fits reports 1."""
+    layout = dict(k_bits=4, k_group=8, k_sinks=2, k_axis="token", k_outliers=0, v_bits=3, v_group=8, v_sinks=2,
+                  v_axis="token", v_outliers=0)
+    generator = torch.Generator().manual_seed(3)
+    buffers = _buffers(2, 16, 16, 32, 32, dict(layout, window=2), torch.float16, generator)
+    reported = []
+    monkeypatch.setattr(triton_write, "_check_room", lambda *args: False)  # as on the GPU: not checked on the host
+    monkeypatch.setattr(triton_write, "_assert_room", lambda fits, capacity: reported.append(int(fits)))
+    for length, tokens, fits in ((14, 3, 0), (13, 3, 1)):
+        before = [tensor.clone() for tensor in buffers]
+        triton_write.latent_write(
+            **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                        "positions"), buffers)),
+            new_k=torch.randn(2, tokens, 32, generator=generator).half(),
+            new_v=torch.randn(2, tokens, 32, generator=generator).half(),
+            new_positions=(length + torch.arange(tokens))[None], length=torch.tensor(length), **layout)
+        assert reported[-1] == fits
+        changed = [not torch.equal(got, was) for got, was in zip(buffers, before)]
+        assert any(changed) == bool(fits), changed
