@@ -89,15 +89,17 @@ def latent_write_kernel(k_new, k_new_sb, k_new_st, k_latent, k_lat_sb, k_lat_ss,
                         k_sz_ss, k_sz_sk, k_exact, k_ex_sb, k_ex_ss, k_sinks, k_window,
                         v_new, v_new_sb, v_new_st, v_latent, v_lat_sb, v_lat_ss, v_lat_sk, v_scale, v_zero, v_sz_sb,
                         v_sz_ss, v_sz_sk, v_exact, v_ex_sb, v_ex_ss, v_sinks, v_window,
-                        length_ptr, tokens, slots, capacity, room_ptr, pos_ptr, pos_sb, new_pos_ptr, new_pos_sb, new_pos_st,
+                        length_ptr, tokens, slots, capacity, room_ptr, pos_ptr, pos_sb, new_pos_ptr, new_pos_sb,
+                        new_pos_st,
                         K_RANK: tl.constexpr, K_RUNS: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                         K_STORED: tl.constexpr, K_HAS_EXACT: tl.constexpr,
                         V_RANK: tl.constexpr, V_RUNS: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
                         V_STORED: tl.constexpr, V_HAS_EXACT: tl.constexpr, WRITE_POSITIONS: tl.constexpr):
     """One program per (batch row, new token, side: 0 keys, 1 values); token t of row b is sequence index length + t,
     slot index % slots (a ring where slots < capacity). The context check is here too: where length + tokens passes
-    the capacity (the positions' slots) nothing is written, and program (0, 0, 0) stores whether it fits at room_ptr for the launcher's device assertion (one
-    launch for both sides and the check, where there were two and a comparison)."""
+    the capacity (the positions' slots) nothing is written, and program (0, 0, 0) stores whether it fits at room_ptr
+    for the launcher's device assertion (one launch for both sides and the check, where there were two launches and
+    a comparison)."""
     b, t, side = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(length_ptr).to(tl.int32)
     fits = length <= capacity - tokens

@@ -11,7 +11,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything: the kernels then run on CPU tensors
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-from lrkv_compile.lowering import reference, triton_write  # noqa: E402
+from lrkv_compile.lowering import ahead, launch, reference, triton_write  # noqa: E402
 from test_kernels import _side_buffers  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -128,3 +128,13 @@ def test_the_write_kernel_writes_nothing_past_the_cache_and_says_so(monkeypatch)
         assert reported[-1] == fits
         changed = [not torch.equal(got, was) for got, was in zip(buffers, before)]
         assert any(changed) == bool(fits), changed
+    # a thread that compiles the graph's kernels ahead (`ahead`) launches nothing, so nothing is asserted either
+    monkeypatch.setattr(ahead, "compiling", lambda: True)
+    monkeypatch.setattr(launch.ahead, "compile_kernel", lambda *args: None)
+    triton_write.latent_write(
+        **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                    "positions"), buffers)),
+        new_k=torch.randn(2, 1, 32, generator=generator).half(),
+        new_v=torch.randn(2, 1, 32, generator=generator).half(),
+        new_positions=torch.tensor([[3]]), length=torch.tensor(3), **layout)
+    assert len(reported) == 2
