@@ -17,13 +17,34 @@ RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit k
 # 0.3392; 5, 6, 7, 9, 10, 11, 13 and 16 no faster; docs/gpu-notes.md, "Stop 65")
 WAVES = {"H100": 8}  # a part of the device's name -> programs a multiprocessor
 WAVE = 12  # elsewhere
+# programs a multiprocessor the far loop's splits aim at where the decode kernel (the window's slots) runs beside it on
+# a second stream, one of its programs a multiprocessor (`triton_decode.beside_splits`), by device; elsewhere the two
+# run one after the other. At 4 far programs (4 x 132 registers x 32 lanes, 4 x 13 KB) a multiprocessor holds a
+# decode program of 4 warps at 255 registers (47 KB) beside them; at 8 it held none, so a side stream gained 0.6-3%.
+# H100, budget 0.2 w1024, ms at 16K and batch 16 / 64K and batch 4, one stream at 8 -> beside at 4: Llama-3-8B
+# 0.1224 / 0.1231 -> 0.1077 / 0.1035, Llama-2-7B 0.3997 / 0.3411 -> 0.3536 / 0.3257; 3, 5 and 6 far programs slower
+# (docs/gpu-notes.md, "Stop 70"). Steps without a mask only (`triton_decode.decode_attention_with`): reading the mask,
+# the far loop at 4 programs lost more than the side stream gave.
+BESIDE = {"H100": 4}
+
+
+def _programs(table: dict, device: torch.device, default: int) -> int:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((programs for part, programs in table.items() if part in name), default)
 
 
 @functools.cache
 def wave(device: torch.device) -> int:
     """Programs a multiprocessor the far loop's splits aim at on `device` (`WAVES`, else `WAVE`)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return next((programs for part, programs in WAVES.items() if part in name), WAVE)
+    return _programs(WAVES, device, WAVE)
+
+
+@functools.cache
+def beside(device: torch.device) -> int:
+    """Programs a multiprocessor the far loop's splits aim at on `device` with the decode kernel beside it on a second
+    stream (`BESIDE`), in steps without a mask; 0 where the two run one after the other (every other device, and the
+    CPU)."""
+    return _programs(BESIDE, device, 0)
 
 
 # registers a thread of the far loop (no spill): 12 programs a multiprocessor fit. The decode step on an H200

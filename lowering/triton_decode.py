@@ -7,6 +7,7 @@ returns for tokens == 1; anything it does not cover raises NotImplementedError n
 the reference instead. The kernels are `kernels/latent_decode.py`, and `kernels/gluon_far.py` for the budget plan's far
 slots (`far_loop_able`).
 """
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -24,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lrkv_compile.errors import SharedLatentsWarning
 from lrkv_compile.kernels import latent_decode
-from . import gluon_far, quantize, reference
+from . import ahead, gluon_far, quantize, reference
 from .launch import launch as launch_kernel
 
 BITS = (16, 8, 4, 3, 2)
@@ -188,6 +189,32 @@ def far_and_near_splits(far: int, wave: int, near: int, block_s: int) -> tuple:
     splits and 8 near, 170.4 us a step, the combine 35.9 of it; 56 and 8, 151.5 and 11.8)."""
     splits = min(MAX_SPLITS - 1, max(1, min(wave, (triton.cdiv(near, block_s) + 1) // 2)))
     return max(1, min(far, MAX_SPLITS - splits)), splits
+
+
+def beside_splits(far_wave: int, multiprocessors: int, rows: int, near: int, block_s: int) -> tuple:
+    """(far loop's splits, decode kernel's splits) where the decode kernel runs beside the far loop on a second stream
+    (`gluon_far.beside`): the far loop's programs `far_wave` a multiprocessor, the decode kernel's one (its splits of
+    two tiles or more), both together at most MAX_SPLITS; rows: the decode kernel's programs a split. On an H100
+    (budget 0.2 w1024, 16K and batch 16 / 64K and batch 4) the decode kernel's programs took 0.1077 / 0.1035 ms at one a
+    multiprocessor against 0.1140 / 0.1063 at two (Llama-3-8B shape; docs/gpu-notes.md, "Stop 70")."""
+    splits = min(MAX_SPLITS - 1, max(1, min(multiprocessors // rows, (triton.cdiv(near, block_s) + 1) // 2)))
+    return max(1, min(far_wave * multiprocessors // rows, MAX_SPLITS - splits)), splits
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def _beside(device: torch.device, fork: torch.cuda.Event):
+    """Launches inside run on a second stream of `device` once the current stream has reached `fork`, and the
+    current stream waits for them on leaving (a fork and a join, which CUDA graphs capture)."""
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_event(fork)
+    with torch.cuda.stream(side):
+        yield
+    main.wait_stream(side)
 
 
 def _pow2(n: int) -> int:
@@ -488,9 +515,10 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     kernel = latent_decode.latent_decode_kernel
     if config is None:
         config = default_config(half_keys, codes, values["CHUNK"], windowed, group)
-    # the far slots through the Gluon far loop, in its splits (one wave of its programs, gluon_far.wave), before this
-    # kernel's; start: far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
-    far_splits, start = 0, None
+    # the far slots through the Gluon far loop, in its splits (one wave of its programs, gluon_far.wave; with this
+    # kernel beside it on a second stream, gluon_far.beside's programs a multiprocessor), before this kernel's;
+    # start: far_prep_kernel's firsts, from which this kernel's slots begin in each batch row
+    far_splits, start, fork = 0, None, None
     if config.far_loop and capacity >= FAR_LOOP_FROM and far_loop_able(**locals()):
         far_splits = min(MAX_SPLITS, max(1, round(gluon_far.wave(device) * _multiprocessors(device)
                                                   / (batch * num_kv_heads))))
@@ -542,10 +570,17 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                                                                       start=start),
                                             constants, config, device, bf16_codes, interpret)
     launch, resident = _GEOMETRY[geometry_key]
+    # with a mask (every decode step of a model passes one) the far loop at fewer programs lost more than the window's
+    # kernel beside it gave back: H100, budget 0.2 w1024, Llama-3-8B shape, 16K, batch 16, 0.1245 ms one after the
+    # other against 0.1268 beside, where without one 0.1216 against 0.1069-0.1076 (docs/gpu-notes.md, "Stop 70")
+    beside = gluon_far.beside(device) if far_splits and attn_mask is None else 0
     if far_splits:
         near = max(k["window"], v["window"], int(rope_window))  # the slots this kernel takes, but for the last tile
-        far_splits, splits = far_and_near_splits(far_splits, resident * _multiprocessors(device) // base, near,
-                                                 launch["BLOCK_S"])
+        if beside:
+            far_splits, splits = beside_splits(beside, _multiprocessors(device), base, near, launch["BLOCK_S"])
+        else:
+            far_splits, splits = far_and_near_splits(far_splits, resident * _multiprocessors(device) // base, near,
+                                                     launch["BLOCK_S"])
     else:
         splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
     rows = batch * num_kv_heads * (far_splits + splits) * group
@@ -560,13 +595,18 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                        max(k["window"], v["window"]), int(rope_window), qk_scale),
                       dict(KV_HEADS=num_kv_heads, GROUP_HEADS=group, HEAD_DIM=head_dim, RANK=gluon_far.RANK_K,
                            TILE=gluon_far.BLOCK, BLOCK=2048))
+        # (a thread that compiles ahead launches nothing: no stream to fork)
+        fork = torch.cuda.current_stream(device).record_event() if beside and not ahead.compiling() else None
         gluon_far.far_splits(
             latent_k=latent_k, k_scale=k_scale, k_zero=k_zero, k_exact=k_exact, latent_v=latent_v, v_scale=v_scale,
             v_zero=v_zero, v_exact=v_exact, queries=queries,
             far_hi=start, sinks=k["sinks"], splits=far_splits, row_splits=far_splits + splits, part_max=part_max,
             part_sum=part_sum, part_acc=part_acc, kv_heads=num_kv_heads, group=group, attn_mask=attn_mask)
-    launch_kernel(kernel, (batch * num_kv_heads, splits, v_parts),
-                  arguments(splits, part_acc, part_max, part_sum, launch["BLOCK_S"], start), {**constants, **launch})
+    # beside the far loop (`gluon_far.beside`): the window's slots on a second stream from where far_prep_kernel has
+    # written `start`, joined before the combine
+    window = arguments(splits, part_acc, part_max, part_sum, launch["BLOCK_S"], start)
+    with _beside(device, fork) if fork is not None else contextlib.nullcontext():
+        launch_kernel(kernel, (batch * num_kv_heads, splits, v_parts), window, {**constants, **launch})
     splits += far_splits
     if up_v is None:  # the output projection absorbed B_v: the latent context itself
         context = torch.empty(batch * heads, v_range, dtype=torch.float32, device=device)

@@ -340,16 +340,40 @@ def test_far_and_near_splits_fill_a_wave_and_stay_under_the_combines_cap(far, wa
     assert sum(got) <= MAX_SPLITS and min(got) >= 1
 
 
+@pytest.mark.parametrize("far_wave, rows, near, splits", [
+    (4, 128, 1024, (4, 1)),    # Llama-3-8B shape, 16K, batch 16: a decode program a multiprocessor (132 of them)
+    (4, 32, 1024, (16, 4)),    # 64K, batch 4
+    (4, 512, 1024, (1, 1)),    # Llama-2-7B shape, 16K, batch 16: more rows than multiprocessors
+    (4, 4, 1024, (56, 8)),     # batch 1 of Llama-3-8B: the near slots in splits of two tiles or more, the far
+                               # loop's under the combine's cap
+    (4, 1, 64, (63, 1)),       # one row: the combine's cap holds both
+])
+def test_beside_splits_leave_room_for_one_decode_program_a_multiprocessor(far_wave, rows, near, splits):
+    """With the decode kernel beside the far loop on a second stream, the far loop's splits aim at `far_wave`
+    programs a multiprocessor and the decode kernel's at one (132 multiprocessors, an H100's), two tiles each or more,
+    both under the combine's cap."""
+    from lrkv_compile.lowering.triton_decode import MAX_SPLITS, beside_splits
+    got = beside_splits(far_wave, 132, rows, near, 64)
+    assert got == splits
+    assert sum(got) <= MAX_SPLITS and min(got) >= 1
+
+
 @pytest.mark.parametrize("name, programs", [("NVIDIA H100 80GB HBM3", 8), ("NVIDIA H100 PCIe", 8),
                                             ("NVIDIA H200", lowering_far.WAVE), ("NVIDIA A100-SXM4-80GB",
                                                                                 lowering_far.WAVE)])
 def test_the_far_loops_wave_follows_the_device(name, programs, monkeypatch):
     """The far loop's programs a multiprocessor are what was measured fastest on the device at hand (8 on an H100),
-    12 elsewhere; on a CPU (the tests' stand-in) 12."""
+    12 elsewhere; on a CPU (the tests' stand-in) 12. With the decode kernel beside it on a second stream (an H100
+    only), 4."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     lowering_far.wave.cache_clear()
+    lowering_far.beside.cache_clear()
     try:
         assert lowering_far.wave(torch.device("cuda", 0)) == programs
+        # an H100 runs the decode kernel beside the far loop, its far loop at 4 programs a multiprocessor
+        assert lowering_far.beside(torch.device("cuda", 0)) == (4 if "H100" in name else 0)
     finally:
         lowering_far.wave.cache_clear()
+        lowering_far.beside.cache_clear()
     assert lowering_far.wave(torch.device("cpu")) == lowering_far.WAVE == 12
+    assert lowering_far.beside(torch.device("cpu")) == 0
