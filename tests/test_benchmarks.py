@@ -101,7 +101,8 @@ def test_attention_benchmark_sweeps_launch_geometries_and_runs_each_plan_at_its_
 H100_RESULTS = ["benchmarks/results/attention-nvidia-h100-80gb-hbm3-8b0512c.json",
                 "benchmarks/results/attention-nvidia-h100-80gb-hbm3-8b0512c-rest.json",
                 "benchmarks/results/attention-nvidia-h100-80gb-hbm3-d02bdb8.json",
-                "benchmarks/results/attention-nvidia-h100-80gb-hbm3-1b74a82.json"]
+                "benchmarks/results/attention-nvidia-h100-80gb-hbm3-1b74a82.json",
+                "benchmarks/results/attention-nvidia-h100-80gb-hbm3-06f0e7f.json"]
 
 
 def test_the_attention_plot_takes_each_rows_newest_run(tmp_path):
@@ -115,7 +116,8 @@ def test_the_attention_plot_takes_each_rows_newest_run(tmp_path):
     assert len(rows) == 24 and all(row["target"] for row in rows.values())
     # in the newest file, and in older ones too: the newest wins
     newest = rows[("llama3-8b", "budget 0.2 w1024", 16384)]
-    assert newest["source"].endswith("1b74a82.json") and newest["speedup"] == 2.828
+    assert newest["source"].endswith("06f0e7f.json") and newest["speedup"] == 3.153
+    assert rows[("llama3-8b", "head keep 0.25 w1024", 16384)]["source"].endswith("1b74a82.json")
     assert rows[("llama3-8b", "head keep 0.25", 16384)]["source"].endswith("8b0512c-rest.json")
 
 
