@@ -18,8 +18,8 @@ RANK_K, RANK_V, GROUP = 64, 128, 32  # per KV head: what the loop reads (4-bit k
 WAVES = {"H100": 8}  # a part of the device's name -> programs a multiprocessor
 WAVE = 12  # elsewhere
 # programs a multiprocessor the far loop's splits aim at where the decode kernel (the window's slots) runs beside it on
-# a second stream, one of its programs a multiprocessor (`triton_decode.beside_splits`), by device; elsewhere the two
-# run one after the other. At 4 far programs (4 x 132 registers x 32 lanes, 4 x 13 KB) a multiprocessor holds a
+# a second stream, one of its programs a multiprocessor (`triton_decode.decode_attention_with`), by device; elsewhere
+# the two run one after the other. At 4 far programs (4 x 132 registers x 32 lanes, 4 x 13 KB) a multiprocessor holds a
 # decode program of 4 warps at 255 registers (47 KB) beside them; at 8 it held none, so a side stream gained 0.6-3%.
 # H100, budget 0.2 w1024, ms at 16K and batch 16 / 64K and batch 4, one stream at 8 -> beside at 4: Llama-3-8B
 # 0.1224 / 0.1231 -> 0.1077 / 0.1035, Llama-2-7B 0.3997 / 0.3411 -> 0.3536 / 0.3257; 3, 5 and 6 far programs slower

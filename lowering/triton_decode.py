@@ -191,16 +191,6 @@ def far_and_near_splits(far: int, wave: int, near: int, block_s: int) -> tuple:
     return max(1, min(far, MAX_SPLITS - splits)), splits
 
 
-def beside_splits(far_wave: int, multiprocessors: int, rows: int, near: int, block_s: int) -> tuple:
-    """(far loop's splits, decode kernel's splits) where the decode kernel runs beside the far loop on a second stream
-    (`gluon_far.beside`): the far loop's programs `far_wave` a multiprocessor, the decode kernel's one (its splits of
-    two tiles or more), both together at most MAX_SPLITS; rows: the decode kernel's programs a split. On an H100
-    (budget 0.2 w1024, 16K and batch 16 / 64K and batch 4) the decode kernel's programs took 0.1077 / 0.1035 ms at one a
-    multiprocessor against 0.1140 / 0.1063 at two (Llama-3-8B shape; docs/gpu-notes.md, "Stop 70")."""
-    splits = min(MAX_SPLITS - 1, max(1, min(multiprocessors // rows, (triton.cdiv(near, block_s) + 1) // 2)))
-    return max(1, min(far_wave * multiprocessors // rows, MAX_SPLITS - splits)), splits
-
-
 @functools.lru_cache(maxsize=None)
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
@@ -576,11 +566,11 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
     beside = gluon_far.beside(device) if far_splits and attn_mask is None else 0
     if far_splits:
         near = max(k["window"], v["window"], int(rope_window))  # the slots this kernel takes, but for the last tile
-        if beside:
-            far_splits, splits = beside_splits(beside, _multiprocessors(device), base, near, launch["BLOCK_S"])
-        else:
-            far_splits, splits = far_and_near_splits(far_splits, resident * _multiprocessors(device) // base, near,
-                                                     launch["BLOCK_S"])
+        wave = resident * _multiprocessors(device) // base
+        if beside:  # the far loop at `beside` programs a multiprocessor, and this kernel at one beside them (two:
+            # 0.1140 / 0.1063 ms against 0.1077 / 0.1035 at one; H100, docs/gpu-notes.md, "Stop 70")
+            far_splits, wave = beside * _multiprocessors(device) // base, _multiprocessors(device) // base
+        far_splits, splits = far_and_near_splits(far_splits, wave, near, launch["BLOCK_S"])
     else:
         splits = _splits(base, resident * _multiprocessors(device), capacity, launch["BLOCK_S"])
     rows = batch * num_kv_heads * (far_splits + splits) * group

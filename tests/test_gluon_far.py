@@ -349,11 +349,11 @@ def test_far_and_near_splits_fill_a_wave_and_stay_under_the_combines_cap(far, wa
     (4, 1, 64, (63, 1)),       # one row: the combine's cap holds both
 ])
 def test_beside_splits_leave_room_for_one_decode_program_a_multiprocessor(far_wave, rows, near, splits):
-    """With the decode kernel beside the far loop on a second stream, the far loop's splits aim at `far_wave`
-    programs a multiprocessor and the decode kernel's at one (132 multiprocessors, an H100's), two tiles each or more,
-    both under the combine's cap."""
-    from lrkv_compile.lowering.triton_decode import MAX_SPLITS, beside_splits
-    got = beside_splits(far_wave, 132, rows, near, 64)
+    """With the decode kernel beside the far loop on a second stream, the launcher asks `far_and_near_splits` for the
+    far loop's splits at `far_wave` programs a multiprocessor and the decode kernel's at one (132 multiprocessors, an
+    H100's): two tiles each or more, both under the combine's cap."""
+    from lrkv_compile.lowering.triton_decode import MAX_SPLITS, far_and_near_splits
+    got = far_and_near_splits(far_wave * 132 // rows, 132 // rows, near, 64)
     assert got == splits
     assert sum(got) <= MAX_SPLITS and min(got) >= 1
 
