@@ -156,6 +156,8 @@ MMA_TILES = gl.constexpr(gl.DistributedLinearLayout(
 KEY_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
                                           order=[1, 0]))
 HEADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
+# the mask's check over a split's slots (`_all_kept`): 16 consecutive slots a lane
+CHECK = gl.constexpr(gl.BlockedLayout(size_per_thread=[16], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # [8, 4]: element (g, t) in lane (g, t)
 LANES = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[8, 4]))
@@ -202,6 +204,18 @@ def _masked(scores, mask_row, s0, slot, mask_ss: gl.constexpr):
     """Scores [16 slots, 8] of the slots from s0, -inf where the boolean mask is false."""
     keep = gl.load(mask_row + (s0 + slot) * mask_ss)
     return gl.where(keep[:, None], scores, -float("inf"))
+
+
+@gluon.jit
+def _all_kept(mask_row, lo, hi, mask_ss: gl.constexpr):
+    """Whether the boolean mask keeps every slot of [lo, hi): then the split's tiles skip its loads. 2,048 slots a
+    step, 64 loads a lane, all issued before any is waited on."""
+    slots = gl.arange(0, 2048, layout=CHECK)
+    dropped = gl.to_tensor(0)
+    for c in range(lo, hi, 2048):
+        keep = gl.load(mask_row + (c + slots) * mask_ss, mask=c + slots < hi, other=True)
+        dropped += gl.sum(gl.where(keep, 0, 1), axis=0)
+    return dropped == 0
 
 
 @gluon.jit
@@ -507,7 +521,7 @@ def _split(bufs, rows, q_row, on, shift, kw_ss: gl.constexpr, ks_ss: gl.constexp
     """The partials (maxima, sums, context, FOLD's column sums) of the split's slots [lo, hi) (`far_kernel`), the
     first tile's copies already issued into stage 0; weights 2^(score - max + shift)."""
     kw_s, ks_s, kz_s, va_s, vb_s, vs_s, vz_s = bufs
-    lo, hi, last, split, n_far, h, kx_row, vx_row, mask_row, kx_ss, vx_ss = on
+    lo, hi, last, split, n_far, h, kx_row, vx_row, mask_row, kx_ss, vx_ss, kept = on
     queries, codes = _operands(q_row, FOLD)
     selector, v_shift, v_selector = codes
     q = queries[0]
@@ -549,10 +563,11 @@ def _split(bufs, rows, q_row, on, shift, kw_ss: gl.constexpr, ks_ss: gl.constexp
         if SINKS > 0:  # the sinks' codes: their exact copies came first
             sc0 = gl.where((s0 + slot >= SINKS)[:, None], sc0, -float("inf"))
         if HAS_MASK:
-            sc0 = _masked(sc0, mask_row, s0, slot, mask_ss)
-            sc1 = _masked(sc1, mask_row, s0 + 16, slot, mask_ss)
-            sc2 = _masked(sc2, mask_row, s0 + 32, slot, mask_ss)
-            sc3 = _masked(sc3, mask_row, s0 + 48, slot, mask_ss)
+            if not kept:  # the split's slots are not all kept (a row's left padding)
+                sc0 = _masked(sc0, mask_row, s0, slot, mask_ss)
+                sc1 = _masked(sc1, mask_row, s0 + 16, slot, mask_ss)
+                sc2 = _masked(sc2, mask_row, s0 + 32, slot, mask_ss)
+                sc3 = _masked(sc3, mask_row, s0 + 48, slot, mask_ss)
         m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), axis=0))
         m_use = m_new
         if HAS_MASK:  # no slot seen yet (m_new -inf): exponents against 0, not -inf - -inf
@@ -604,7 +619,9 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     heads, 8 columns, 64 ranks] float16: the latent queries in the ranks' order (key_rank_channels), zero columns
     past the query heads of a KV head. HAS_MASK: a boolean mask over the slots (mask_ptr + b * mask_sb + slot *
     mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
-    -inf, their sum 0).
+    -inf, their sum 0). A split reads its slots' mask once, before its first tile (`_all_kept`), and its tiles read it
+    again only where it drops one of them: a model's decode steps pass a mask, most rows have no padding, and read per
+    tile it took the step at 4 far programs a multiprocessor from 0.107 to 0.127 ms (docs/gpu-notes.md, "Stop 71").
 
     FOLD (one query head a KV head, `lowering.gluon_far.folds`; vs_ptr and vz_ptr then float16, their strides still
     in words) takes the scales and zero points out of the codes, into the columns of the products that the one query
@@ -653,7 +670,11 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     if hi > lo:  # an empty split reads nothing
         _issue(bufs, rows, 0, lo, kw_ss, ks_ss, vw_ss, vs_ss, FOLD)
 
-    on = (lo, hi, last, split, n_far, h, kx_ptr + b * kx_sb, vx_ptr + b * vx_sb, mask_ptr + b * mask_sb, kx_ss, vx_ss)
+    kept = gl.to_tensor(True)
+    if HAS_MASK:  # read while the first tile's copies are under way
+        kept = _all_kept(mask_ptr + b * mask_sb, lo, hi, mask_ss)
+    on = (lo, hi, last, split, n_far, h, kx_ptr + b * kx_sb, vx_ptr + b * vx_sb, mask_ptr + b * mask_sb, kx_ss, vx_ss,
+          kept)
     if FOLD:  # at FOLD_SHIFT, and again at SAFE_SHIFT where a product left float16's range (`_overflowed`)
         m_i, l_rows, acc, sums = _split(bufs, rows, q_ptr + bh * 512, on, FOLD_SHIFT, kw_ss, ks_ss, vw_ss, vs_ss,
                                         mask_ss, SINKS, HAS_MASK, FOLD)

@@ -23,8 +23,8 @@ WAVE = 12  # elsewhere
 # decode program of 4 warps at 255 registers (47 KB) beside them; at 8 it held none, so a side stream gained 0.6-3%.
 # H100, budget 0.2 w1024, ms at 16K and batch 16 / 64K and batch 4, one stream at 8 -> beside at 4: Llama-3-8B
 # 0.1224 / 0.1231 -> 0.1077 / 0.1035, Llama-2-7B 0.3997 / 0.3411 -> 0.3536 / 0.3257; 3, 5 and 6 far programs slower
-# (docs/gpu-notes.md, "Stop 70"). Steps without a mask only (`triton_decode.decode_attention_with`): reading the mask,
-# the far loop at 4 programs lost more than the side stream gave.
+# (docs/gpu-notes.md, "Stop 70"); with the all-true mask of a model's step, 0.1267 -> 0.1119 and 0.3445 -> 0.3287 at
+# 64K on Llama-2-7B ("Stop 71": a split the mask keeps whole reads it once, not per tile).
 BESIDE = {"H100": 4}
 
 
@@ -42,8 +42,7 @@ def wave(device: torch.device) -> int:
 @functools.cache
 def beside(device: torch.device) -> int:
     """Programs a multiprocessor the far loop's splits aim at on `device` with the decode kernel beside it on a second
-    stream (`BESIDE`), in steps without a mask; 0 where the two run one after the other (every other device, and the
-    CPU)."""
+    stream (`BESIDE`); 0 where the two run one after the other (every other device, and the CPU)."""
     return _programs(BESIDE, device, 0)
 
 

@@ -560,10 +560,10 @@ def decode_attention_with(config: Optional[DecodeConfig], *, query, latent_k, k_
                                                                       start=start),
                                             constants, config, device, bf16_codes, interpret)
     launch, resident = _GEOMETRY[geometry_key]
-    # with a mask (every decode step of a model passes one) the far loop at fewer programs lost more than the window's
-    # kernel beside it gave back: H100, budget 0.2 w1024, Llama-3-8B shape, 16K, batch 16, 0.1245 ms one after the
-    # other against 0.1268 beside, where without one 0.1216 against 0.1069-0.1076 (docs/gpu-notes.md, "Stop 70")
-    beside = gluon_far.beside(device) if far_splits and attn_mask is None else 0
+    # with a mask too (every decode step of a model passes one): a far split whose slots the mask keeps all reads it
+    # once, not per tile (`kernels.gluon_far._all_kept`; H100, budget 0.2 w1024, Llama-3-8B shape, 16K, batch 16, an
+    # all-true mask: 0.1267 ms one after the other, 0.1119 beside; docs/gpu-notes.md, "Stop 71")
+    beside = gluon_far.beside(device) if far_splits else 0
     if far_splits:
         near = max(k["window"], v["window"], int(rope_window))  # the slots this kernel takes, but for the last tile
         wave = resident * _multiprocessors(device) // base
