@@ -3,7 +3,8 @@
 measured in the same run. Llama-2-7B (32 x 128, MHA) and Llama-3-8B (32 query / 8 KV heads) attention shapes; one
 layer; random orthonormal factors; caches written by the reference write op (the real layout).
 
-    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--extra-slots 17] [--rows] [--out benchmarks/results]
+    python benchmarks/attention.py [--sweep] [--only llama3-8b] [--extra-slots 17] [--rows] [--mask]
+                                   [--out benchmarks/results]
     python benchmarks/attention.py --tiny [--sweep]   # the logic on CPU under Triton's interpreter (times mean nothing)
 
 Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
@@ -16,6 +17,8 @@ slots, so at the default contexts a window of 1024 has its edge on a tile bounda
 decode step meets such a tile in 63 of 64 positions; 17 puts the edge inside a tile. Quantized head-wise sides are
 stored head-major where LatentCache stores them so (each KV head's codes in one run: `quantize.by_blocks`); --rows
 stores them as rows (every KV head of a slot in one row), the layout before; each row's `storage` says which.
+--mask passes lrkv's kernel the boolean mask [batch, 1, 1, slots] of a model's decode step (transformers builds one for
+SDPA; here every slot kept, as in a batch without padding), each row's `mask` says whether; SDPA runs without one.
 Writes benchmarks/results/attention-<gpu>.json; never asserts timings. --tiny runs every plan at a tiny shape on CPU
 under Triton's interpreter, each row checked against the reference op, windowed plans at a window that leaves far
 tiles (TINY_WINDOW), and writes nothing.
@@ -78,10 +81,10 @@ def side_bytes(rank, bits, group):
     return 2 * rank if bits == 16 else packed_width(rank, bits) + 4 * (rank // group)
 
 
-def build(shape, plan, batch, context, device, head_major=True):
+def build(shape, plan, batch, context, device, head_major=True, mask=False):
     """Keyword arguments of latent_attention for the decode step at slot context - 1, and the bytes it reads.
     head_major: quantized head-wise sides stored head-major where LatentCache stores them so (`quantize.by_blocks`),
-    else as rows."""
+    else as rows. mask: the boolean mask of a model's decode step, every slot kept; else none."""
     generator = torch.Generator().manual_seed(0)
     kv_heads, head_dim, heads = shape["kv_heads"], shape["head_dim"], shape["heads"]
     rank_k, rank_v = (int(plan[f"keep_{side}"] * head_dim) * kv_heads for side in "kv")
@@ -125,7 +128,8 @@ def build(shape, plan, batch, context, device, head_major=True):
         up_k=factor(plan["scheme"], rank_k // kv_heads, kv_heads, head_dim, generator).to(device, torch.float16),
         bias_k=None,
         up_v=factor(plan["scheme"], rank_v // kv_heads, kv_heads, head_dim, generator).to(device, torch.float16),
-        bias_v=None, inv_freq=rope, rope_scale=1.0, length=torch.tensor(context, device=device), attn_mask=None,
+        bias_v=None, inv_freq=rope, rope_scale=1.0, length=torch.tensor(context, device=device),
+        attn_mask=torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device) if mask else None,
         softmax_scale=head_dim ** -0.5, num_kv_heads=kv_heads, rope_window=plan.get("rope_window", 0), **layout)
     read = batch * context * (side_bytes(rank_k, plan["k_bits"], plan["group"])
                               + side_bytes(rank_v, plan["v_bits"], plan["group"]) + 4)
@@ -217,6 +221,8 @@ def main():
                         help="cached slots added to every setting (17: the window's edge inside a tile)")
     parser.add_argument("--rows", action="store_true",
                         help="quantized sides stored as rows, not head-major as LatentCache stores them")
+    parser.add_argument("--mask", action="store_true",
+                        help="lrkv's kernel gets the boolean mask of a model's decode step (every slot kept)")
     args = parser.parse_args()
     if args.extra_slots < 0:
         parser.error(f"--extra-slots {args.extra_slots}: a count of slots to add, 0 or more")
@@ -238,7 +244,7 @@ def main():
             for plan in plans:
                 if plan["scheme"] != "head" or plan["plan"] == "head keep 0.5":
                     continue  # keep 0.5 takes keep 0.25's geometry
-                kwargs, _ = build(shape, plan, *sweep_at, device, not args.rows)
+                kwargs, _ = build(shape, plan, *sweep_at, device, not args.rows, args.mask)
                 results = sweep(kwargs)
                 chosen[(name, plan["plan"])] = results[0][1]
                 if plan["plan"] == "head keep 0.25":
@@ -264,7 +270,7 @@ def main():
                 if full_bytes * 3 > free:
                     skipped.append(f"{where}: needs about {full_bytes * 3 / 2**30:.0f} GiB, {free / 2**30:.0f} free")
                     continue
-                kwargs, read = build(shape, plan, batch, context, device, not args.rows)
+                kwargs, read = build(shape, plan, batch, context, device, not args.rows, args.mask)
                 quantized = plan["k_bits"] != 16 or plan["v_bits"] != 16
                 config = chosen.get((name, plan["plan"])) or launch_config(**kwargs)  # what the launcher takes
                 lrkv = time_ms(lambda: decode_attention_with(config, **kwargs), device)
@@ -281,6 +287,7 @@ def main():
                     keep=f"{plan['keep_k']:g}/{plan['keep_v']:g}", bits=f"{plan['k_bits']}/{plan['v_bits']}",
                     rope_window=plan.get("rope_window", 0),
                     storage="blocks" if kwargs["latent_k"].dim() == 4 or kwargs["latent_v"].dim() == 4 else "rows",
+                    mask=args.mask,
                     lrkv_ms=round(lrkv, 4), sdpa_ms=round(full_ms, 4), speedup=round(full_ms / lrkv, 3),
                     bytes_ratio=round(ratio, 3), lrkv_TBps=round(read / lrkv / 1e9, 3),
                     sdpa_TBps=round(full_bytes / full_ms / 1e9, 3), copy_TBps=round(copy, 3),

@@ -73,6 +73,7 @@ def test_attention_benchmark_runs_every_plan_against_the_reference_on_a_tiny_sha
                                              "joint keep 0.25"]
     # every row's kernel against the reference op (float16 queries and latents)
     assert all(row["relative_error"] is not None and row["relative_error"] < 5e-3 for row in rows)
+    assert not any(row["mask"] for row in rows)
     # windowed plans at a window that leaves far tiles in 200 slots; the bytes read shrink with the plan
     assert [row["rope_window"] for row in rows[3:6]] == [48, 48, 48]
     ratio = {row["plan"]: row["bytes_ratio"] for row in rows}
@@ -84,9 +85,11 @@ def test_attention_benchmark_runs_every_plan_against_the_reference_on_a_tiny_sha
 def test_attention_benchmark_sweeps_launch_geometries_and_runs_each_plan_at_its_fastest():
     """The sweep times the candidate geometries of the head-wise plans but exact keep 0.5 (which takes keep 0.25's),
     refuses 8 warps over codes, and each plan then runs at its sweep's fastest (three plans: the sweep's logic is
-    the same for the others, each of which the test above runs)."""
-    stdout, rows = _tiny_attention("--sweep", "--plans", "head keep 0.5", "head keep 0.25", "budget 0.2 w1024")
+    the same for the others, each of which the test above runs), here with the mask of a model's decode step."""
+    stdout, rows = _tiny_attention("--sweep", "--mask", "--plans", "head keep 0.5", "head keep 0.25",
+                                   "budget 0.2 w1024")
     assert [row["plan"] for row in rows] == ["head keep 0.5", "head keep 0.25", "budget 0.2 w1024"]
+    assert all(row["mask"] for row in rows)
     assert all(row["relative_error"] is not None and row["relative_error"] < 5e-3 for row in rows)
     sweeps = [line for line in stdout.splitlines() if line.startswith("sweep tiny")]
     assert [line.split(":")[0] for line in sweeps] == ["sweep tiny head keep 0.25", "sweep tiny budget 0.2 w1024"]
