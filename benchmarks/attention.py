@@ -5,7 +5,8 @@ layer; random orthonormal factors; caches written by the reference write op (the
 
     python benchmarks/attention.py [--sweep] [--only llama3-8b] [--extra-slots 17] [--rows] [--mask]
                                    [--out benchmarks/results]
-    python benchmarks/attention.py --tiny [--sweep]   # the logic on CPU under Triton's interpreter (times mean nothing)
+    python benchmarks/attention.py --tiny [--sweep] [--mask]   # the logic on CPU under Triton's interpreter (times
+                                                               # mean nothing)
 
 Each row: shape, batch, context, keep, bits, lrkv_ms, sdpa_ms, speedup (sdpa_ms / lrkv_ms), bytes_ratio (bytes of
 the full fp16 cache over the bytes lrkv reads: latents, scales and zero points, positions), lrkv_TBps (bytes lrkv
@@ -19,6 +20,7 @@ stored head-major where LatentCache stores them so (each KV head's codes in one 
 stores them as rows (every KV head of a slot in one row), the layout before; each row's `storage` says which.
 --mask passes lrkv's kernel the boolean mask [batch, 1, 1, slots] of a model's decode step (transformers builds one for
 SDPA; here every slot kept, as in a batch without padding), each row's `mask` says whether; SDPA runs without one.
+The file's name does not say which (nor --rows, nor --extra-slots): name a copy for the run.
 Writes benchmarks/results/attention-<gpu>.json; never asserts timings. --tiny runs every plan at a tiny shape on CPU
 under Triton's interpreter, each row checked against the reference op, windowed plans at a window that leaves far
 tiles (TINY_WINDOW), and writes nothing.

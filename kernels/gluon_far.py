@@ -209,7 +209,7 @@ def _masked(scores, mask_row, s0, slot, mask_ss: gl.constexpr):
 @gluon.jit
 def _all_kept(mask_row, lo, hi, mask_ss: gl.constexpr):
     """Whether the boolean mask keeps every slot of [lo, hi): then the split's tiles skip its loads. 2,048 slots a
-    step, 64 loads a lane, all issued before any is waited on."""
+    step, 64 a lane (four 16-byte loads where the mask is contiguous), all issued before any is waited on."""
     slots = gl.arange(0, 2048, layout=CHECK)
     dropped = gl.to_tensor(0)
     for c in range(lo, hi, 2048):
@@ -621,7 +621,8 @@ def far_kernel(kw_ptr, ks_ptr, kz_ptr, vw_ptr, vs_ptr, vz_ptr, kx_ptr, vx_ptr, q
     mask_ss, false: not attended; a row's left padding), whose splits may then see no slot (their maximum stays
     -inf, their sum 0). A split reads its slots' mask once, before its first tile (`_all_kept`), and its tiles read it
     again only where it drops one of them: a model's decode steps pass a mask, most rows have no padding, and read per
-    tile it took the step at 4 far programs a multiprocessor from 0.107 to 0.127 ms (docs/gpu-notes.md, "Stop 71").
+    tile it took the step at 4 far programs a multiprocessor from 0.107 to 0.127 ms (H100, Llama-3-8B shape, 16K,
+    batch 16; docs/gpu-notes.md, "Stop 70"; "Stop 71" for the change).
 
     FOLD (one query head a KV head, `lowering.gluon_far.folds`; vs_ptr and vz_ptr then float16, their strides still
     in words) takes the scales and zero points out of the codes, into the columns of the products that the one query

@@ -23,8 +23,8 @@ WAVE = 12  # elsewhere
 # decode program of 4 warps at 255 registers (47 KB) beside them; at 8 it held none, so a side stream gained 0.6-3%.
 # H100, budget 0.2 w1024, ms at 16K and batch 16 / 64K and batch 4, one stream at 8 -> beside at 4: Llama-3-8B
 # 0.1224 / 0.1231 -> 0.1077 / 0.1035, Llama-2-7B 0.3997 / 0.3411 -> 0.3536 / 0.3257; 3, 5 and 6 far programs slower
-# (docs/gpu-notes.md, "Stop 70"); with the all-true mask of a model's step, 0.1267 -> 0.1119 and 0.3445 -> 0.3287 at
-# 64K on Llama-2-7B ("Stop 71": a split the mask keeps whole reads it once, not per tile).
+# (docs/gpu-notes.md, "Stop 70"); with the all-true mask of a model's step, Llama-3-8B 0.1267 / 0.1245 -> 0.1119 /
+# 0.1062, Llama-2-7B 0.4137 / 0.3445 -> 0.3515 / 0.3287 ("Stop 71": a split the mask keeps whole reads it once).
 BESIDE = {"H100": 4}
 
 

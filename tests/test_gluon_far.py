@@ -202,6 +202,53 @@ def test_values_past_the_folds_float16_range(group):
     assert ((got - want).abs() <= 2e-3 * want.abs().amax(-1, keepdim=True)).all()
 
 
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
+                                       "the CPU compiles them for sm_90 above")
+@pytest.mark.parametrize("group", [4, 1])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_split_reads_its_mask_once_and_still_drops_what_it_drops(shared, group):
+    """Splits of 4,096 slots, whose mask check (`kernels.gluon_far._all_kept`) takes two steps of 2,048: a slot
+    dropped only in a split's second step (3,000 of split 0; 7,000-7,063 of split 1 where one mask serves every row,
+    its batch stride 0) sends that split through the per-tile loads, the splits the mask keeps whole skip them, and
+    every split gives what the reference gives under the same mask. The dropped slots' keys are made to dominate, so
+    a split that attended them anyway would not match."""
+    rows, slots, kv_heads, splits = 2, 8192, 2, 2
+    generator = torch.Generator().manual_seed(7)
+    latent_k = torch.randn(rows, slots, kv_heads * 64, generator=generator)
+    latent_v = torch.randn(rows, slots, kv_heads * 128, generator=generator)
+    # the query heads of a KV head near one direction, so that one key scores high against all of them
+    queries_f = (torch.randn(rows, kv_heads, 1, 64, generator=generator)
+                 + 0.1 * torch.randn(rows, kv_heads, group, 64, generator=generator)) * 0.2
+    mask = torch.ones(1 if shared else rows, 1, 1, slots, dtype=torch.bool)
+    dropped = [7000 + i for i in range(64)] if shared else [3000]
+    mask[..., dropped] = False
+    for b in range(rows):  # each dropped slot's key along its queries: far above every other score
+        for h in range(kv_heads):
+            latent_k[b, dropped, h * 64:(h + 1) * 64] = 40 * queries_f[b, h].mean(0)
+    cache = [head_major(t.cuda(), kv_heads) for t in (*quantize(latent_k, 4, 32), *quantize(latent_v, 3, 32))]
+    queries = lowering_far.kernel_queries(queries_f.half().cuda())
+    far_hi = torch.full((rows * kv_heads,), slots, dtype=torch.int32, device="cuda")
+    outputs = []
+    for launcher, attn_mask in ((far_splits, mask.cuda()), (lowering_far.reference_far_splits, mask.cuda()),
+                                (lowering_far.reference_far_splits, None)):
+        m, l = (torch.empty(rows, kv_heads, splits, group, device="cuda") for _ in "ml")
+        ctx = torch.empty(rows, kv_heads, splits, group, 128, device="cuda")
+        launcher(latent_k=cache[0], k_scale=cache[1], k_zero=cache[2], k_exact=None, latent_v=cache[3],
+                 v_scale=cache[4], v_zero=cache[5], v_exact=None, queries=queries, far_hi=far_hi, sinks=0,
+                 splits=splits, row_splits=splits, part_max=m, part_sum=l, part_acc=ctx, kv_heads=kv_heads,
+                 group=group, attn_mask=attn_mask)
+        outputs.append((m, l, ctx))
+    (m, l, ctx), (m_ref, l_ref, ctx_ref), (m_all, _, _) = outputs
+    split = 1 if shared else 0
+    masked_rows = slice(None) if shared else slice(0, 1)
+    # the dropped slots would have raised their split's maximum: the mask matters where it drops them
+    assert (m_all[masked_rows, :, split] > m_ref[masked_rows, :, split] + 10).all()
+    torch.testing.assert_close(m, m_ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(l, l_ref, rtol=1e-2, atol=1e-2)
+    got, want = ctx / l[..., None], ctx_ref / l_ref[..., None]
+    assert ((got - want).abs() <= 2e-3 * want.abs().amax(-1, keepdim=True)).all()
+
+
 def test_refuses_codes_whose_head_stride_is_not_whole_16_bytes():
     """The copies move a KV head's codes 16 bytes at a time from an address they know to be aligned: a view whose
     heads lie 36 bytes apart is refused with what it needs, not read wrong."""
