@@ -16,6 +16,7 @@ timed.
     python benchmarks/generate.py [--context 16384] [--batch 16] [--layers 32] [--steps 20] [--out benchmarks/results]
     python benchmarks/generate.py --tiny      # a small model on CPU: checks the script, times nothing useful
     python benchmarks/generate.py --only "budget" --profile   # some paths, with their most expensive kernels
+    python benchmarks/generate.py --alternate --only "RoPE window 1024, reduce-overhead" "enable_gqa, compiled"
 
 lrkv's paths run each plan twice: compiled as lrkv.compile does by default, and with mode="reduce-overhead".
 
@@ -30,8 +31,15 @@ residual. A path that cannot
 run (QuantizedCache without optimum-quanto, say) is a row with its `error`. Writes
 benchmarks/results/generate-<gpu>.json after each row (--only replaces those paths' rows and keeps the others);
 never asserts timings.
+
+--alternate sets up every wanted path first and then times them in turns, one step of each a round (each first
+compiled and warmed up in turn), so that their ratios come from one process at one time: on an H100 the same path's
+step moved by up to 10% between processes of one machine, more than a change under test (docs/gpu-notes.md, stop 71).
+Pick with --only (one or more texts) paths whose caches fit the device together. Its rows say `alternated`; their
+peak_GiB and max_batch are left out (the caches of every path are held at once): take those from a run without it.
 """
 import argparse
+import dataclasses
 import gc
 import json
 import pathlib
@@ -138,6 +146,18 @@ def held_bytes(tensors):
 WARMUP_STEPS = 6  # untimed calls after the first: an lrkv step's replays settle over about five (below)
 
 
+def timed_call(step, rewind, device):
+    """Seconds of one call of `step`, after `rewind` (outside its time), synchronized around it on a GPU."""
+    rewind()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def time_steps(step, steps, device, rewind):
     """(seconds of the first call, median seconds of `steps` calls after WARMUP_STEPS more). rewind, before each call
     and outside its time, puts the cache back where the step found it, so that every step decodes at the same slot: it
@@ -145,21 +165,12 @@ def time_steps(step, steps, device, rewind):
     step). Warm-up: on an H100 the windowed budget plan's first replays after the one that records its CUDA graph took
     12.0, 12.6, 12.0, 11.8 and 11.7 ms, the rest 11.6-11.7 (docs/gpu-notes.md, stop 67), so the timed steps start
     after them."""
-    def timed():
-        rewind()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-    first = timed()
+    first = timed_call(step, rewind, device)
     for _ in range(WARMUP_STEPS):
-        timed()
+        timed_call(step, rewind, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = sorted(timed() for _ in range(steps))
+    times = sorted(timed_call(step, rewind, device) for _ in range(steps))
     return first, times[len(times) // 2]
 
 
@@ -198,6 +209,43 @@ def measure(path, step, rewind, cache_bytes, batch, context, steps, device, comp
     return row
 
 
+@dataclasses.dataclass
+class Alternating:
+    """A path set up for --alternate: its step, the rewind before each, its cache's bytes, whether it compiles, and
+    the attention function (`config._attn_implementation`) it was set up under, put back before each of its steps."""
+    path: str
+    step: object
+    rewind: object
+    cache_bytes: int
+    compiled: bool
+    implementation: str
+
+
+def measure_alternately(paths, model, batch, context, steps, device):
+    """Rows of `paths` timed in turns: each path's first call (its compile) and WARMUP_STEPS more, one path after the
+    other, then `steps` rounds of one step of each; a path's row takes the median of its steps."""
+    def timed(path):
+        model.config._attn_implementation = path.implementation
+        return timed_call(path.step, path.rewind, device)
+    first = {}
+    for path in paths:
+        first[path.path] = timed(path)
+        for _ in range(WARMUP_STEPS):
+            timed(path)
+    times = {path.path: [] for path in paths}
+    for _ in range(steps):
+        for path in paths:
+            times[path.path].append(timed(path))
+    rows = []
+    for path in paths:
+        step_s = sorted(times[path.path])[steps // 2]
+        rows.append(dict(path=path.path, batch=batch, context=context, ms_per_step=1e3 * step_s,
+                         tokens_per_s=batch / step_s, cache_GiB=path.cache_bytes / 2**30,
+                         compile_s=first[path.path] - step_s if path.compiled else None, alternated=True))
+        print(json.dumps(rows[-1]))
+    return rows
+
+
 class Rows(list):
     """The run's rows, written to benchmarks/results/generate-<gpu>.json after each one (a run cut short keeps
     what it measured). With --only, the file's rows of the other paths stay, from the run that wrote them."""
@@ -228,9 +276,13 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tiny", action="store_true", help="a small model on CPU (checks the script)")
-    parser.add_argument("--only", help="run only the paths whose name contains this text")
+    parser.add_argument("--only", nargs="+", help="run only the paths whose name contains one of these texts")
     parser.add_argument("--profile", action="store_true", help="also print each path's most expensive kernels")
+    parser.add_argument("--alternate", action="store_true",
+                        help="time the paths in turns, one step of each a round, all set up at once")
     args = parser.parse_args()
+    if args.alternate and args.profile:
+        parser.error("--alternate and --profile: profile the paths in a run of their own")
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         args.context, args.batch, args.layers, args.steps = 64, 2, 2, 3
@@ -239,9 +291,19 @@ def main():
     batch, context = args.batch, args.context
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     def wanted(path):
-        return args.only is None or args.only in path
+        return args.only is None or any(text in path for text in args.only)
 
     rows = Rows(None if args.tiny else pathlib.Path(args.out), device, args.layers, wanted)
+    alternating = []  # --alternate: the paths set up, timed in turns once all are
+
+    def take(path, step, rewind, cache_bytes, compiled):
+        """Times a path now, or with --alternate keeps it (and the attention function it was set up under)."""
+        if args.alternate:
+            alternating.append(Alternating(path, step, rewind, cache_bytes, compiled,
+                                           model.config._attn_implementation))
+        else:
+            rows.append(measure(path, step, rewind, cache_bytes, batch, context, args.steps, device, compiled,
+                                args.profile))
 
     # Random weights have no low-rank structure for a search to find, so the plans are set by hand, head-wise,
     # plain SVD: "budget 0.2" spends about a fifth of the 16-bit cache's bytes as a calibrated plan does (keys at
@@ -276,8 +338,7 @@ def main():
         def rewind(lengths=lengths, before=torch.tensor(context - 1, device=device)):
             torch._foreach_copy_(lengths, [before] * len(lengths))
         fill_latent(cache, context)
-        rows.append(measure(name, step, rewind, cache.nbytes(), batch, context, args.steps, device, True,
-                            args.profile))
+        take(name, step, rewind, cache.nbytes(), True)
         del cache, lm, step, rewind, lengths
         gc.collect()
         if device.type == "cuda":
@@ -299,12 +360,11 @@ def main():
         fill_static(model, cache, batch, context)
         cache_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         for mode, forward, compiled in modes:
-            def step(forward=forward):
+            def step(forward=forward, cache=cache):
                 with torch.no_grad():
                     forward(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True,
                             position_ids=position, cache_position=cache_position)
-            rows.append(measure(f"{label}, {mode}", step, lambda: None, cache_bytes, batch, context, args.steps,
-                                device, compiled, args.profile))
+            take(f"{label}, {mode}", step, lambda: None, cache_bytes, compiled)
         del cache, modes, step
         gc.collect()
         if device.type == "cuda":
@@ -331,8 +391,11 @@ def main():
         except Exception as error:
             rows.append(error_row(label, batch, context, error))
         else:
-            rows.append(measure(label, step, rewind, cache_bytes, batch, context, args.steps, device, False,
-                                args.profile))
+            take(label, step, rewind, cache_bytes, False)
+    if alternating:
+        for row in measure_alternately(alternating, model, batch, context, args.steps, device):
+            rows.append(row)
+        model.config._attn_implementation = "sdpa"
     if rows.path is not None:
         print(f"wrote {rows.path}")
 

@@ -31,6 +31,23 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
     assert all(row["tokens_per_s"] > 0 for row in rows)
 
 
+
+def test_generate_benchmark_alternates_the_paths_it_is_given():
+    """--alternate with two --only texts: both paths set up, then timed in turns (before each step the attention
+    function its path was set up under is put back: transformers' SDPA for lrkv's, sdpa_gqa for the fair baseline's);
+    peaks left out; --profile with it refused."""
+    result = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny", "--alternate", "--only",
+                             "RoPE window 1024", "enable_gqa"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [row["path"] for row in rows] == ["lrkv budget 0.2, RoPE window 1024",
+                                             "StaticCache + SDPA enable_gqa, eager"]
+    assert all(row["alternated"] and row["ms_per_step"] > 0 and "peak_GiB" not in row for row in rows)
+    assert rows[0]["cache_GiB"] < rows[1]["cache_GiB"] / 5
+    refused = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny", "--alternate", "--profile"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "profile the paths in a run of their own" in refused.stderr
+
 def test_cpu_decode_benchmark_times_both_paths_at_each_context_on_a_tiny_model():
     result = subprocess.run([sys.executable, "benchmarks/cpu_decode.py", "--tiny", "--steps", "2"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
