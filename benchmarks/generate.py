@@ -33,10 +33,13 @@ benchmarks/results/generate-<gpu>.json after each row (--only replaces those pat
 never asserts timings.
 
 --alternate sets up every wanted path first and then times them in turns, one step of each a round (each first
-compiled and warmed up in turn), so that their ratios come from one process at one time: on an H100 the same path's
-step moved by up to 10% between processes of one machine, more than a change under test (docs/gpu-notes.md, stop 71).
-Pick with --only (one or more texts) paths whose caches fit the device together. Its rows say `alternated`; their
-peak_GiB and max_batch are left out (the caches of every path are held at once): take those from a run without it.
+called, compiling where it compiles, and warmed up in turn), so that their ratios come from one process at one time: on
+an H100 the same path's step moved by up to 10% between processes of one machine, more than a change under test
+(docs/gpu-notes.md, stop 71). It needs --only (one or more texts), for paths whose caches fit the device together (one
+StaticCache at 16K and batch 16 is 32 GiB: two of them and the weights do not fit an H100). Its rows say `alternated`
+and leave out peak_GiB, max_batch and kernel_calls_per_step (every path's cache is held at once): take those from a
+run without it. They go to benchmarks/results/generate-alternate-<gpu>.json, once every round has run; a path that
+fails its first calls is a row with its `error`, and the others still run.
 """
 import argparse
 import dataclasses
@@ -222,22 +225,32 @@ class Alternating:
 
 
 def measure_alternately(paths, model, batch, context, steps, device):
-    """Rows of `paths` timed in turns: each path's first call (its compile) and WARMUP_STEPS more, one path after the
-    other, then `steps` rounds of one step of each; a path's row takes the median of its steps."""
+    """Rows of `paths` timed in turns: each path's first call (its compile, where it compiles) and WARMUP_STEPS more,
+    one path after the other, then `steps` rounds of one step of each; a path's row takes the median of its steps. A
+    path whose first calls fail is a row with its error. The attention function each path was set up under is put
+    back before each of its calls: compiled paths of one model share Dynamo's cache entries, told apart only by its
+    guard on that setting, so a step under another path's setting would run that path's graph."""
     def timed(path):
         model.config._attn_implementation = path.implementation
         return timed_call(path.step, path.rewind, device)
-    first = {}
-    for path in paths:
-        first[path.path] = timed(path)
-        for _ in range(WARMUP_STEPS):
-            timed(path)
-    times = {path.path: [] for path in paths}
-    for _ in range(steps):
+    first, rows, running = {}, [], []
+    try:
         for path in paths:
-            times[path.path].append(timed(path))
-    rows = []
-    for path in paths:
+            try:
+                first[path.path] = timed(path)
+                for _ in range(WARMUP_STEPS):
+                    timed(path)
+            except Exception as error:
+                rows.append(error_row(path.path, batch, context, error))
+            else:
+                running.append(path)
+        times = {path.path: [] for path in running}
+        for _ in range(steps):
+            for path in running:
+                times[path.path].append(timed(path))
+    finally:
+        model.config._attn_implementation = "sdpa"
+    for path in running:
         step_s = sorted(times[path.path])[steps // 2]
         rows.append(dict(path=path.path, batch=batch, context=context, ms_per_step=1e3 * step_s,
                          tokens_per_s=batch / step_s, cache_GiB=path.cache_bytes / 2**30,
@@ -247,16 +260,17 @@ def measure_alternately(paths, model, batch, context, steps, device):
 
 
 class Rows(list):
-    """The run's rows, written to benchmarks/results/generate-<gpu>.json after each one (a run cut short keeps
-    what it measured). With --only, the file's rows of the other paths stay, from the run that wrote them."""
+    """The run's rows, written to benchmarks/results/<benchmark>-<gpu>.json (generate, or generate-alternate) after
+    each one (a run cut short keeps what it measured). With --only, the file's rows of the other paths stay, from the
+    run that wrote them."""
 
-    def __init__(self, out, device, layers, wanted):
+    def __init__(self, out, device, layers, wanted, benchmark="generate"):
         super().__init__()
         self.path, self.kept = None, []
         if out is None:
             return
         gpu = torch.cuda.get_device_name(device)
-        self.path = attention.results_path(out, "generate", gpu)
+        self.path = attention.results_path(out, benchmark, gpu)
         self.header = dict(gpu=gpu, torch=torch.__version__, layers=layers)
         if self.path.exists():
             self.kept = [row for row in json.loads(self.path.read_text())["rows"] if not wanted(row["path"])]
@@ -283,6 +297,8 @@ def main():
     args = parser.parse_args()
     if args.alternate and args.profile:
         parser.error("--alternate and --profile: profile the paths in a run of their own")
+    if args.alternate and not args.only:
+        parser.error("--alternate needs --only: the paths to alternate, whose caches fit the device together")
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         args.context, args.batch, args.layers, args.steps = 64, 2, 2, 3
@@ -293,7 +309,8 @@ def main():
     def wanted(path):
         return args.only is None or any(text in path for text in args.only)
 
-    rows = Rows(None if args.tiny else pathlib.Path(args.out), device, args.layers, wanted)
+    rows = Rows(None if args.tiny else pathlib.Path(args.out), device, args.layers, wanted,
+                "generate-alternate" if args.alternate else "generate")
     alternating = []  # --alternate: the paths set up, timed in turns once all are
 
     def take(path, step, rewind, cache_bytes, compiled):
@@ -395,7 +412,6 @@ def main():
     if alternating:
         for row in measure_alternately(alternating, model, batch, context, args.steps, device):
             rows.append(row)
-        model.config._attn_implementation = "sdpa"
     if rows.path is not None:
         print(f"wrote {rows.path}")
 

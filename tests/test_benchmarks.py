@@ -3,6 +3,7 @@
 under Triton's interpreter (they time nothing useful there; the figures come from the GPU); and the CPU decode
 benchmark, `benchmarks/cpu_decode.py --tiny`, on a small random model."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,6 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
     assert all(row["tokens_per_s"] > 0 for row in rows)
 
 
-
 def test_generate_benchmark_alternates_the_paths_it_is_given():
     """--alternate with two --only texts: both paths set up, then timed in turns (before each step the attention
     function its path was set up under is put back: transformers' SDPA for lrkv's, sdpa_gqa for the fair baseline's);
@@ -44,9 +44,46 @@ def test_generate_benchmark_alternates_the_paths_it_is_given():
                                              "StaticCache + SDPA enable_gqa, eager"]
     assert all(row["alternated"] and row["ms_per_step"] > 0 and "peak_GiB" not in row for row in rows)
     assert rows[0]["cache_GiB"] < rows[1]["cache_GiB"] / 5
-    refused = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny", "--alternate", "--profile"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "profile the paths in a run of their own" in refused.stderr
+    for arguments, error in ((["--profile", "--only", "budget"], "profile the paths in a run of their own"),
+                             ([], "--alternate needs --only")):
+        refused = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny", "--alternate", *arguments],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 2 and error in refused.stderr
+
+
+ALTERNATING = """
+import json, sys, types
+import torch
+import generate
+model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="eager"))
+seen = []
+def step(name):
+    def call():
+        seen.append((name, model.config._attn_implementation))
+        if name == "broken":
+            raise RuntimeError("out of memory")
+    return call
+paths = [generate.Alternating(name, step(name), lambda: None, 1024, name == "a", implementation)
+         for name, implementation in (("a", "sdpa"), ("broken", "sdpa"), ("b", "sdpa_gqa"))]
+rows = generate.measure_alternately(paths, model, 2, 64, 3, torch.device("cpu"))
+print(json.dumps(dict(rows=rows, seen=seen, last=model.config._attn_implementation)))
+"""
+
+
+def test_alternating_paths_run_in_turns_each_under_its_own_attention_function():
+    """measure_alternately on stand-in paths: each path's first call and six warm-up calls in turn, then rounds of one
+    step of each, every call under the attention function its path was set up with; a path that fails its first call
+    is an error row and leaves the rounds; the model's setting is put back to transformers' SDPA at the end."""
+    result = subprocess.run([sys.executable, "-c", ALTERNATING], cwd=ROOT / "benchmarks", capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [tuple(call) for call in out["seen"]] == ([("a", "sdpa")] * 7 + [("broken", "sdpa")] + [("b", "sdpa_gqa")] * 7
+                           + [("a", "sdpa"), ("b", "sdpa_gqa")] * 3)
+    assert [row["path"] for row in out["rows"]] == ["broken", "a", "b"]
+    assert "out of memory" in out["rows"][0]["error"]
+    assert [row["compile_s"] is not None for row in out["rows"][1:]] == [True, False]
+    assert out["last"] == "sdpa"
 
 def test_cpu_decode_benchmark_times_both_paths_at_each_context_on_a_tiny_model():
     result = subprocess.run([sys.executable, "benchmarks/cpu_decode.py", "--tiny", "--steps", "2"], cwd=ROOT,
