@@ -184,6 +184,13 @@ def error_row(path, batch, context, error):
     return row
 
 
+def step_row(path, batch, context, step_s, cache_bytes, first, compiled, **more):
+    """A timed path's row: its step's seconds as ms and tokens/s, its cache's GiB, `more`, and its compile time (the
+    first call's seconds less a step's) where it compiles."""
+    return dict(path=path, batch=batch, context=context, ms_per_step=1e3 * step_s, tokens_per_s=batch / step_s,
+                cache_GiB=cache_bytes / 2**30, **more, compile_s=first - step_s if compiled else None)
+
+
 def measure(path, step, rewind, cache_bytes, batch, context, steps, device, compiled, profile=False):
     kernel_calls.clear()
     try:
@@ -200,10 +207,8 @@ def measure(path, step, rewind, cache_bytes, batch, context, steps, device, comp
         print(profiler.key_averages().table(sort_by="self_cuda_time_total" if device.type == "cuda"
                                             else "self_cpu_time_total", row_limit=15))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    row = dict(path=path, batch=batch, context=context, ms_per_step=1e3 * step_s, tokens_per_s=batch / step_s,
-               cache_GiB=cache_bytes / 2**30, peak_GiB=peak / 2**30,
-               compile_s=first - step_s if compiled else None,
-               kernel_calls_per_step=launches)  # Triton decode launches (lrkv paths)
+    row = step_row(path, batch, context, step_s, cache_bytes, first, compiled, peak_GiB=peak / 2**30)
+    row["kernel_calls_per_step"] = launches  # Triton decode launches (lrkv paths)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         per_sequence = cache_bytes / batch
@@ -252,9 +257,8 @@ def measure_alternately(paths, model, batch, context, steps, device):
         model.config._attn_implementation = "sdpa"
     for path in running:
         step_s = sorted(times[path.path])[steps // 2]
-        rows.append(dict(path=path.path, batch=batch, context=context, ms_per_step=1e3 * step_s,
-                         tokens_per_s=batch / step_s, cache_GiB=path.cache_bytes / 2**30,
-                         compile_s=first[path.path] - step_s if path.compiled else None, alternated=True))
+        rows.append(step_row(path.path, batch, context, step_s, path.cache_bytes, first[path.path], path.compiled))
+        rows[-1]["alternated"] = True
         print(json.dumps(rows[-1]))
     return rows
 

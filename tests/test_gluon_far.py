@@ -164,6 +164,19 @@ def test_empty_splits_write_empty_partials(far_end, group):
     assert (ctx - expected[2]).abs().max() <= 1e-2 * expected[2].abs().max()
 
 
+def _partials(launcher, cache, queries, far_hi, rows, kv_heads, splits, group, **extra):
+    """The partials (maxima, sums, contexts) that `launcher` (the far loop or its reference) writes for a head-major
+    budget cache (codes, scales and zero points of the keys, then of the values), each row in `splits`; extra: sinks
+    with their exact copies, a mask."""
+    m, l = (torch.empty(rows, kv_heads, splits, group, device="cuda") for _ in "ml")
+    ctx = torch.empty(rows, kv_heads, splits, group, 128, device="cuda")
+    launcher(latent_k=cache[0], k_scale=cache[1], k_zero=cache[2], latent_v=cache[3], v_scale=cache[4],
+             v_zero=cache[5], queries=queries, far_hi=far_hi, splits=splits, row_splits=splits, part_max=m,
+             part_sum=l, part_acc=ctx, kv_heads=kv_heads, group=group,
+             **{"k_exact": None, "v_exact": None, "sinks": 0, **extra})
+    return m, l, ctx
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only (Triton's interpreter does not run them); "
                                        "the CPU compiles them for sm_90 above")
 @pytest.mark.parametrize("group", [1, 4])
@@ -185,16 +198,9 @@ def test_values_past_the_folds_float16_range(group):
     queries = lowering_far.kernel_queries((torch.randn(rows, kv_heads, group, 64, generator=generator) * 0.2)
                                           .half().cuda())
     far_hi = torch.full((rows * kv_heads,), slots, dtype=torch.int32, device="cuda")
-    outputs = []
-    for launcher in (far_splits, lowering_far.reference_far_splits):
-        m, l = (torch.empty(rows, kv_heads, splits, group, device="cuda") for _ in "ml")
-        ctx = torch.empty(rows, kv_heads, splits, group, 128, device="cuda")
-        launcher(latent_k=cache[0], k_scale=cache[1], k_zero=cache[2], k_exact=k_exact, latent_v=cache[3],
-                 v_scale=cache[4], v_zero=cache[5], v_exact=v_exact, queries=queries, far_hi=far_hi, sinks=sinks,
-                 splits=splits, row_splits=splits, part_max=m, part_sum=l, part_acc=ctx, kv_heads=kv_heads,
-                 group=group)
-        outputs.append((m, l, ctx))
-    (m, l, ctx), (m_ref, l_ref, ctx_ref) = outputs
+    (m, l, ctx), (m_ref, l_ref, ctx_ref) = (
+        _partials(launcher, cache, queries, far_hi, rows, kv_heads, splits, group, sinks=sinks, k_exact=k_exact,
+                  v_exact=v_exact) for launcher in (far_splits, lowering_far.reference_far_splits))
     assert torch.isfinite(ctx).all() and torch.isfinite(l).all()
     torch.testing.assert_close(m, m_ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(l, l_ref, rtol=1e-2, atol=1e-2)  # the retry's weights scaled back as its context's
@@ -228,17 +234,10 @@ def test_a_split_reads_its_mask_once_and_still_drops_what_it_drops(shared, group
     cache = [head_major(t.cuda(), kv_heads) for t in (*quantize(latent_k, 4, 32), *quantize(latent_v, 3, 32))]
     queries = lowering_far.kernel_queries(queries_f.half().cuda())
     far_hi = torch.full((rows * kv_heads,), slots, dtype=torch.int32, device="cuda")
-    outputs = []
-    for launcher, attn_mask in ((far_splits, mask.cuda()), (lowering_far.reference_far_splits, mask.cuda()),
-                                (lowering_far.reference_far_splits, None)):
-        m, l = (torch.empty(rows, kv_heads, splits, group, device="cuda") for _ in "ml")
-        ctx = torch.empty(rows, kv_heads, splits, group, 128, device="cuda")
-        launcher(latent_k=cache[0], k_scale=cache[1], k_zero=cache[2], k_exact=None, latent_v=cache[3],
-                 v_scale=cache[4], v_zero=cache[5], v_exact=None, queries=queries, far_hi=far_hi, sinks=0,
-                 splits=splits, row_splits=splits, part_max=m, part_sum=l, part_acc=ctx, kv_heads=kv_heads,
-                 group=group, attn_mask=attn_mask)
-        outputs.append((m, l, ctx))
-    (m, l, ctx), (m_ref, l_ref, ctx_ref), (m_all, _, _) = outputs
+    (m, l, ctx), (m_ref, l_ref, ctx_ref), (m_all, _, _) = (
+        _partials(launcher, cache, queries, far_hi, rows, kv_heads, splits, group, attn_mask=attn_mask)
+        for launcher, attn_mask in ((far_splits, mask.cuda()), (lowering_far.reference_far_splits, mask.cuda()),
+                                    (lowering_far.reference_far_splits, None)))
     split = 1 if shared else 0
     masked_rows = slice(None) if shared else slice(0, 1)
     # the dropped slots would have raised their split's maximum: the mask matters where it drops them
