@@ -38,8 +38,11 @@ an H100 the same path's step moved by up to 10% between processes of one machine
 (docs/gpu-notes.md, stop 71). It needs --only (one or more texts), for paths whose caches fit the device together (one
 StaticCache at 16K and batch 16 is 32 GiB: two of them and the weights do not fit an H100). Its rows say `alternated`
 and leave out peak_GiB, max_batch and kernel_calls_per_step (every path's cache is held at once): take those from a
-run without it. They go to benchmarks/results/generate-alternate-<gpu>.json, once every round has run; a path that
-fails its first calls is a row with its `error`, and the others still run.
+run without it. They add enqueue_ms, the host's time until a step's call returns (a CUDA graph's replay included),
+and back_to_back_ms, a step's time in bursts of steps with no synchronize between them (the device's time a step
+where the host keeps ahead), so that a step's time splits into the host's and the device's. They go to
+benchmarks/results/generate-alternate-<gpu>.json, once every round has run; a path that fails its first calls is a
+row with its `error`, and the others still run.
 """
 import argparse
 import dataclasses
@@ -106,13 +109,28 @@ def fill_latent(cache, context):
 
 
 def fill_static(model, cache, batch, context):
-    """A one-token prefill initialises the StaticCache's buffers; then random keys and values fill them."""
+    """A one-token prefill initialises the StaticCache's buffers; then random keys and values fill them, and its
+    layers' lengths say `context - 1` tokens (a StaticLayer of the transformers pyproject accepts writes at its
+    `cumulative_length` and moves it on, whatever cache_position the step passes)."""
     with torch.no_grad():
         model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=model.device),
               **{lrkv.cache_keyword(model): cache}, use_cache=True)
     for layer in cache.layers:
         for tensor in (layer.keys, layer.values):
             tensor.normal_(0, 1)
+    rewinder(cache, context)()
+
+
+def rewinder(cache, context):
+    """A call that puts every layer's length (`cumulative_length`, LatentCache's and StaticCache's) back to
+    `context - 1` tokens in one launch, so that each timed step writes the same slot and
+    attends over `context` tokens."""
+    lengths = [layer.cumulative_length for layer in cache.layers]
+    before = torch.tensor(context - 1, device=lengths[0].device)
+
+    def rewind():
+        torch._foreach_copy_(lengths, [before] * len(lengths))
+    return rewind
 
 
 def fill_quantized(model, cache, batch, context):
@@ -151,14 +169,37 @@ WARMUP_STEPS = 6  # untimed calls after the first: an lrkv step's replays settle
 
 def timed_call(step, rewind, device):
     """Seconds of one call of `step`, after `rewind` (outside its time), synchronized around it on a GPU."""
+    return split_call(step, rewind, device)[1]
+
+
+def split_call(step, rewind, device):
+    """(seconds until `step` returns, seconds until the device is done too) of one call after `rewind` (outside its
+    time), synchronized before it: the host's share of a step (Dynamo's guards, the launches or a CUDA graph's
+    replay) and the whole step."""
     rewind()
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     step()
+    returned = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return returned - start, time.perf_counter() - start
+
+
+def back_to_back(step, rewind, device, steps):
+    """Seconds a step of `steps` calls in a row (each after its `rewind`: one launch), synchronized only before the
+    first and after the last: the host enqueues a step while the device runs the one before, so where the host keeps
+    ahead this is the device's time a step (a decode loop that keeps its tokens on the device, no check per step)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        rewind()
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
 
 
 def time_steps(step, steps, device, rewind):
@@ -229,35 +270,46 @@ class Alternating:
     implementation: str
 
 
+BURSTS = 3  # --alternate: rounds of back-to-back steps, one burst of `steps` steps of each path a round
+
+
 def measure_alternately(paths, model, batch, context, steps, device):
     """Rows of `paths` timed in turns: each path's first call (its compile, where it compiles) and WARMUP_STEPS more,
-    one path after the other, then `steps` rounds of one step of each; a path's row takes the median of its steps. A
-    path whose first calls fail is a row with its error. The attention function each path was set up under is put
-    back before each of its calls: compiled paths of one model share Dynamo's cache entries, told apart only by its
-    guard on that setting, so a step under another path's setting would run that path's graph."""
-    def timed(path):
+    one path after the other, then `steps` rounds of one step of each (`split_call`), then BURSTS rounds of one burst
+    of `steps` steps of each (`back_to_back`). A path's row takes the median of its steps: ms_per_step, the host's
+    enqueue_ms, and back_to_back_ms (the median burst's time a step). A path whose first calls fail is a row with its
+    error. The attention function each path was set up under is put back before each of its calls: compiled paths of
+    one model share Dynamo's cache entries, told apart only by its guard on that setting, so a step under another
+    path's setting would run that path's graph."""
+    def under(path, timing, *arguments):
         model.config._attn_implementation = path.implementation
-        return timed_call(path.step, path.rewind, device)
+        return timing(path.step, path.rewind, device, *arguments)
     first, rows, running = {}, [], []
     try:
         for path in paths:
             try:
-                first[path.path] = timed(path)
+                first[path.path] = under(path, timed_call)
                 for _ in range(WARMUP_STEPS):
-                    timed(path)
+                    under(path, timed_call)
             except Exception as error:
                 rows.append(error_row(path.path, batch, context, error))
             else:
                 running.append(path)
         times = {path.path: [] for path in running}
+        bursts = {path.path: [] for path in running}
         for _ in range(steps):
             for path in running:
-                times[path.path].append(timed(path))
+                times[path.path].append(under(path, split_call))
+        for _ in range(BURSTS):
+            for path in running:
+                bursts[path.path].append(under(path, back_to_back, steps))
     finally:
         model.config._attn_implementation = "sdpa"
     for path in running:
-        step_s = sorted(times[path.path])[steps // 2]
-        rows.append(step_row(path.path, batch, context, step_s, path.cache_bytes, first[path.path], path.compiled))
+        enqueue_s, step_s = (sorted(part)[steps // 2] for part in zip(*times[path.path]))
+        rows.append(step_row(path.path, batch, context, step_s, path.cache_bytes, first[path.path], path.compiled,
+                             enqueue_ms=1e3 * enqueue_s,
+                             back_to_back_ms=1e3 * sorted(bursts[path.path])[BURSTS // 2]))
         rows[-1]["alternated"] = True
         print(json.dumps(rows[-1]))
     return rows
@@ -354,13 +406,9 @@ def main():
         def step(lm=lm, cache=cache):
             with torch.no_grad():
                 lm(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True)
-        lengths = [layer.cumulative_length for layer in cache.layers]
-
-        def rewind(lengths=lengths, before=torch.tensor(context - 1, device=device)):
-            torch._foreach_copy_(lengths, [before] * len(lengths))
         fill_latent(cache, context)
-        take(name, step, rewind, cache.nbytes(), True)
-        del cache, lm, step, rewind, lengths
+        take(name, step, rewinder(cache, context), cache.nbytes(), True)
+        del cache, lm, step
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -385,7 +433,7 @@ def main():
                 with torch.no_grad():
                     forward(input_ids=token, **{lrkv.cache_keyword(model): cache}, use_cache=True,
                             position_ids=position, cache_position=cache_position)
-            take(f"{label}, {mode}", step, lambda: None, cache_bytes, compiled)
+            take(f"{label}, {mode}", step, rewinder(cache, context), cache_bytes, compiled)
         del cache, modes, step
         gc.collect()
         if device.type == "cuda":

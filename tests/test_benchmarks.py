@@ -43,6 +43,7 @@ def test_generate_benchmark_alternates_the_paths_it_is_given():
     assert [row["path"] for row in rows] == ["lrkv budget 0.2, RoPE window 1024",
                                              "StaticCache + SDPA enable_gqa, eager"]
     assert all(row["alternated"] and row["ms_per_step"] > 0 and "peak_GiB" not in row for row in rows)
+    assert all(0 < row["enqueue_ms"] <= row["ms_per_step"] and row["back_to_back_ms"] > 0 for row in rows)
     assert rows[0]["cache_GiB"] < rows[1]["cache_GiB"] / 5
     for arguments, error in ((["--profile", "--only", "budget"], "profile the paths in a run of their own"),
                              ([], "--alternate needs --only")):
@@ -72,16 +73,19 @@ print(json.dumps(dict(rows=rows, seen=seen, last=model.config._attn_implementati
 
 def test_alternating_paths_run_in_turns_each_under_its_own_attention_function():
     """measure_alternately on stand-in paths: each path's first call and six warm-up calls in turn, then rounds of one
-    step of each, every call under the attention function its path was set up with; a path that fails its first call
+    step of each, then rounds of a burst of steps of each, every call under the attention function its path was set up
+    with; a path that fails its first call
     is an error row and leaves the rounds; the model's setting is put back to transformers' SDPA at the end."""
     result = subprocess.run([sys.executable, "-c", ALTERNATING], cwd=ROOT / "benchmarks", capture_output=True,
                             text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert [tuple(call) for call in out["seen"]] == ([("a", "sdpa")] * 7 + [("broken", "sdpa")] + [("b", "sdpa_gqa")] * 7
-                           + [("a", "sdpa"), ("b", "sdpa_gqa")] * 3)
+                           + [("a", "sdpa"), ("b", "sdpa_gqa")] * 3  # rounds of one step of each
+                           + ([("a", "sdpa")] * 3 + [("b", "sdpa_gqa")] * 3) * 3)  # rounds of a burst of each
     assert [row["path"] for row in out["rows"]] == ["broken", "a", "b"]
     assert "out of memory" in out["rows"][0]["error"]
+    assert all(0 < row["enqueue_ms"] <= row["ms_per_step"] and row["back_to_back_ms"] > 0 for row in out["rows"][1:])
     assert [row["compile_s"] is not None for row in out["rows"][1:]] == [True, False]
     assert out["last"] == "sdpa"
 
