@@ -246,7 +246,9 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
     # (codes) and `sz_sk` (scales and zero points) apart, through pointers moved back by the blocks before it
     # (latent_tiles.stored_block)
     stored = latent.shape[2] if latent.dim() == 4 else 1
-    side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new.reshape(new.shape[0], rank).contiguous(),
+    new = new.reshape(new.shape[0], rank)  # the kernel takes its row stride: a view of both sides' latents stays one
+    new = new if new.stride(1) == 1 else new.contiguous()
+    side = dict(latent=latent, scale=dummy, zero=dummy, exact=dummy, new=new,
                 width=rank, sinks=0, window=0, sk=0, sz_sk=0, STORED=0, BITS=bits, GROUP=1, FAST=False,
                 EXACT=False, CHANNEL=False, OUTLIERS=0, PACKED=False, PACKS=False, BLOCK_RANK=block_rank, CHUNK=chunk)
     if latent.stride(-1) != 1:

@@ -185,10 +185,14 @@ class _Rewriter:
         # a sliding-window layer's latents are a ring shorter than the context: its step attends first, then writes
         ring = cache["latent_k"].meta["example_value"].shape[1] < cache["positions"].meta["example_value"].shape[1]
         with self.graph.inserting_before(marker):
-            down_k = self.constant(f"{name}_down_k", planned.down_k.T, weight)
-            down_v = self.constant(f"{name}_down_v", planned.down_v.T, weight)
-            new = {"new_k": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_k, None)),
-                   "new_v": self.graph.call_function(torch._C._nn.linear, (site.key.x, down_v, None))}
+            # both sides' latents in one product, [down_k | down_v], split as views (one weight read and one launch
+            # where there were two)
+            down = self.constant(f"{name}_down_kv", torch.cat((planned.down_k, planned.down_v), dim=1).T, weight)
+            latents = self.graph.call_function(torch._C._nn.linear, (site.key.x, down, None))
+            parts = self.graph.call_function(torch.split, (latents, [planned.down_k.shape[1], planned.down_v.shape[1]],
+                                                            -1))
+            new = {side: self.graph.call_function(operator.getitem, (parts, part))
+                   for part, side in enumerate(("new_k", "new_v"))}
             step_rows = {"new_cos": site.rope.cos, "new_sin": site.rope.sin} if rows else {"new_cos": None,
                                                                                          "new_sin": None}
             write = {**state, **new, "new_positions": site.rope_source.positions if site.rope_source else None,

@@ -69,6 +69,35 @@ def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypa
     assert not symbolic, f"{len(symbolic)} symbolic inputs: {symbolic[:3]}"
 
 
+def test_both_sides_latents_come_from_one_product_per_site(monkeypatch):
+    """The rewritten graph projects each site's new keys and values to their latents in one linear over [down_k |
+    down_v], split into views for the write and the attention (one weight read and one launch a layer, not two);
+    their values are the separate products'."""
+    from lrkv_compile import backend
+
+    model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
+                             attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
+    plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)
+    graphs, lower = [], backend.lower
+    monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: graphs.append(gm) or lower(gm, inputs, *args))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)
+    with torch.no_grad():
+        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (2, 3)), **{cache_keyword(model): cache},
+                                  use_cache=True)
+    [gm] = graphs
+    downs = [node for node in gm.graph.nodes if node.op == "get_attr" and "_down" in node.target]
+    assert sorted(node.target for node in downs) == ["lrkv_site0_down_kv", "lrkv_site1_down_kv"]
+    for node, site in zip(sorted(downs, key=lambda node: node.target), plan.sites):
+        [product] = node.users
+        weight = getattr(gm, node.target)
+        torch.testing.assert_close(weight, torch.cat((site.down_k, site.down_v), dim=1).T)
+        [split] = product.users
+        assert split.target is torch.split and split.args[1] == [site.rank_k, site.rank_v]
+        writes = [user for part in split.users for user in part.users
+                  if user.target is torch.ops.lrkv.latent_write.default]
+        assert len(writes) == 2 and writes[0] is writes[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; on CPU the first test runs "
                     "mode='reduce-overhead' through Inductor without them, and test_cache.py writes channel-axis "
                     "blocks on meta tensors (the write reads nothing on the host)")
