@@ -46,25 +46,31 @@ def test_a_fake_reads_the_arguments_the_op_binds_by_name():
     assert out.shape == latent.shape and out.dtype == latent.dtype
 
 
+def _lowered(model, plan, ids, max_cache_len, monkeypatch):
+    """(rewritten graph, example inputs) of each graph the backend lowers in lrkv.compile(model, plan)'s first call
+    on `ids` with a fresh LatentCache."""
+    from lrkv_compile import backend
+
+    seen, lower = [], backend.lower
+    monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: seen.append((gm, inputs)) or lower(gm, inputs,
+                                                                                                     *args))
+    cache = lrkv.LatentCache(model, plan, max_batch_size=ids.shape[0], max_cache_len=max_cache_len)
+    with torch.no_grad():
+        lrkv.compile(model, plan)(input_ids=ids, **{cache_keyword(model): cache}, use_cache=True)
+    return seen
+
+
 def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypatch):
     """Making a plan traces the model (here at RankPlan.uniform's own batch); the compiled model's first step, at
     batch 3 with a 24-slot cache, is still compiled for those sizes. Dynamo's automatic dynamic shapes remember the
     sizes a function ran at by its name, so traces run a forward copy named apart from lrkv.compile's (else its
     first graph is symbolic in batch and cache sizes: twice the compile time for a 32-layer model)."""
-    from lrkv_compile import backend
-
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
     plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)
     lrkv.explain(model, plan, show=False)  # one more trace, at its own sizes
-    seen, lower = [], backend.lower
-    monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: seen.append(inputs) or lower(gm, inputs, *args))
-    cache = lrkv.LatentCache(model, plan, max_batch_size=3, max_cache_len=24)
-    with torch.no_grad():
-        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (3, 1)), **{cache_keyword(model): cache},
-                                  use_cache=True)
-    assert len(seen) == 1
-    symbolic = [value for value in seen[0] if isinstance(value, torch.SymInt)
+    [(_, inputs)] = _lowered(model, plan, torch.randint(0, VOCAB, (3, 1)), 24, monkeypatch)
+    symbolic = [value for value in inputs if isinstance(value, torch.SymInt)
                 or isinstance(value, torch.Tensor) and not all(isinstance(size, int) for size in value.shape)]
     assert not symbolic, f"{len(symbolic)} symbolic inputs: {symbolic[:3]}"
 
@@ -73,18 +79,10 @@ def test_both_sides_latents_come_from_one_product_per_site(monkeypatch):
     """The rewritten graph projects each site's new keys and values to their latents in one linear over [down_k |
     down_v], split into views for the write and the attention (one weight read and one launch a layer, not two);
     their values are the separate products'."""
-    from lrkv_compile import backend
-
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
     plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)
-    graphs, lower = [], backend.lower
-    monkeypatch.setattr(backend, "lower", lambda gm, inputs, *args: graphs.append(gm) or lower(gm, inputs, *args))
-    cache = lrkv.LatentCache(model, plan, max_batch_size=2, max_cache_len=16)
-    with torch.no_grad():
-        lrkv.compile(model, plan)(input_ids=torch.randint(0, VOCAB, (2, 3)), **{cache_keyword(model): cache},
-                                  use_cache=True)
-    [gm] = graphs
+    [(gm, _)] = _lowered(model, plan, torch.randint(0, VOCAB, (2, 3)), 16, monkeypatch)
     downs = [node for node in gm.graph.nodes if node.op == "get_attr" and "_down" in node.target]
     assert sorted(node.target for node in downs) == ["lrkv_site0_down_kv", "lrkv_site1_down_kv"]
     for node, site in zip(sorted(downs, key=lambda node: node.target), plan.sites):
