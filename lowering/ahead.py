@@ -135,8 +135,12 @@ def _describe(value):
 
 
 def _zeros(fake: torch.Tensor) -> torch.Tensor:
-    """Zeros of a fake tensor's shape, strides and dtype on its device."""
-    return torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device).zero_()
+    """Zeros of a fake tensor's shape, strides, storage offset and dtype on its device: a view such as the value
+    latents split from both sides' product starts as far into its storage as the step's own, so a kernel compiled for
+    it assumes the alignment the step's pointer has."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(fake.shape, fake.stride())) if fake.numel() else 0
+    storage = torch.zeros(fake.storage_offset() + span, dtype=fake.dtype, device=fake.device)
+    return storage.as_strided(fake.shape, fake.stride(), fake.storage_offset())
 
 
 def start(gm: torch.fx.GraphModule, example_inputs) -> None:

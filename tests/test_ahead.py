@@ -26,8 +26,8 @@ def _tiny_llama(layers=2):
 
 
 def _describe(value):
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.device, tuple(value.shape), value.stride()
+    if isinstance(value, torch.Tensor):  # the storage offset too: the value latents are a view past the keys'
+        return value.dtype, value.device, tuple(value.shape), value.stride(), value.storage_offset()
     return value
 
 
