@@ -39,8 +39,9 @@ an H100 the same path's step moved by up to 10% between processes of one machine
 StaticCache at 16K and batch 16 is 32 GiB: two of them and the weights do not fit an H100). Its rows say `alternated`
 and leave out peak_GiB, max_batch and kernel_calls_per_step (every path's cache is held at once): take those from a
 run without it. They add enqueue_ms, the host's time until a step's call returns (a CUDA graph's replay included),
-and back_to_back_ms, a step's time in bursts of steps with no synchronize between them (the device's time a step
-where the host keeps ahead), so that a step's time splits into the host's and the device's. They go to
+and back_to_back_ms, a step's time in bursts of steps with no synchronize between them (where the host keeps ahead,
+the device's time a step, its rewind's one launch included), so that a step's time splits into the host's and the
+device's. They go to
 benchmarks/results/generate-alternate-<gpu>.json, once every round has run; a path that fails its first calls is a
 row with its `error`, and the others still run.
 """
@@ -188,9 +189,10 @@ def split_call(step, rewind, device):
 
 
 def back_to_back(step, rewind, device, steps):
-    """Seconds a step of `steps` calls in a row (each after its `rewind`: one launch), synchronized only before the
-    first and after the last: the host enqueues a step while the device runs the one before, so where the host keeps
-    ahead this is the device's time a step (a decode loop that keeps its tokens on the device, no check per step)."""
+    """Seconds a step of `steps` calls in a row (each after its `rewind`, whose one launch it counts), synchronized
+    only before the first and after the last: the host enqueues a step while the device runs the one before, so where
+    the host keeps ahead this is the device's time a step and its rewind (a decode loop that keeps its tokens on the
+    device, no check per step)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -351,6 +353,8 @@ def main():
     parser.add_argument("--alternate", action="store_true",
                         help="time the paths in turns, one step of each a round, all set up at once")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: time at least one step")
     if args.alternate and args.profile:
         parser.error("--alternate and --profile: profile the paths in a run of their own")
     if args.alternate and not args.only:

@@ -35,7 +35,7 @@ def test_generate_benchmark_runs_every_path_on_a_tiny_model():
 def test_generate_benchmark_alternates_the_paths_it_is_given():
     """--alternate with two --only texts: both paths set up, then timed in turns (before each step the attention
     function its path was set up under is put back: transformers' SDPA for lrkv's, sdpa_gqa for the fair baseline's);
-    peaks left out; --profile with it refused."""
+    peaks left out; --profile with it refused, and --steps 0."""
     result = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny", "--alternate", "--only",
                              "RoPE window 1024", "enable_gqa"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -46,7 +46,8 @@ def test_generate_benchmark_alternates_the_paths_it_is_given():
     assert all(0 < row["enqueue_ms"] <= row["ms_per_step"] and row["back_to_back_ms"] > 0 for row in rows)
     assert rows[0]["cache_GiB"] < rows[1]["cache_GiB"] / 5
     for arguments, error in ((["--profile", "--only", "budget"], "profile the paths in a run of their own"),
-                             ([], "--alternate needs --only")):
+                             ([], "--alternate needs --only"),
+                             (["--only", "budget", "--steps", "0"], "time at least one step")):
         refused = subprocess.run([sys.executable, "benchmarks/generate.py", "--tiny", "--alternate", *arguments],
                                  cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert refused.returncode == 2 and error in refused.stderr
