@@ -260,15 +260,24 @@ def _side(name, latent, scale, zero, exact, new, bits, group, sinks, axis, outli
         return side
     if latent.dtype != torch.uint8 or scale.stride(-1) != 1 or zero.stride(-1) != 1:
         raise NotImplementedError(f"{name}: packed codes must be uint8 with contiguous scales and zero points")
-    if stored > 1 and (stored != quantize.stored_blocks(bits, group, axis, outliers, rank, blocks)
+    # values read whole (the output projection absorbed B_v: every KV head takes every channel) from a cache stored
+    # by their factor's blocks: read block by block, each chunk of channels inside one stored block
+    whole = stored > 1 and blocks == 1 and not rank % stored
+    if stored > 1 and (stored != quantize.stored_blocks(bits, group, axis, outliers, rank, stored if whole else blocks)
                        or scale.dim() != 4 or zero.dim() != 4 or scale.shape[2] != stored
                        or zero.stride() != scale.stride()):
         raise NotImplementedError(f"{name}: codes stored in {stored} blocks for a factor of {blocks}, with scales "
                                   f"{tuple(scale.shape)} and zero points {tuple(zero.shape)}: expected the factor's "
                                   "blocks, each with its scales (zero points laid out as the scales) and whole bytes "
                                   "of codes (`quantize.stored_blocks`)")
+    if whole:
+        per_block = rank // stored
+        if per_block % 16:
+            raise NotImplementedError(f"{name}: {rank} channels read whole from {stored} stored blocks of {per_block}: "
+                                      "the kernel's chunks of channels (16 or more) would cross the blocks")
+        chunk = max(size for size in (16, 32, 64, 128) if not per_block % size)
     if stored > 1:
-        side.update(sk=latent.stride(2), sz_sk=scale.stride(2), STORED=block_rank)
+        side.update(sk=latent.stride(2), sz_sk=scale.stride(2), STORED=rank // stored)
     channel = axis == "channel"  # a scale per channel and block of `group` slots (KIVI's keys)
     if not 0 <= outliers < rank:
         raise NotImplementedError(f"{name}_outliers={outliers} for rank {rank}")

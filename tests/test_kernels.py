@@ -116,7 +116,19 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
 
 
+def _narrow_blocks_read_whole(kwargs) -> bool:
+    """Values the output projection absorbed (read whole by every KV head) from a cache stored by blocks of fewer
+    than 16 channels or of a width not a multiple of 16, which the kernel's chunks of channels would cross: the
+    kernel refuses them ("auto" then runs the reference op)."""
+    latent_v = kwargs["latent_v"]
+    return kwargs["up_v"] is None and latent_v.dim() == 4 and (kwargs["new_v"].shape[-1] // latent_v.shape[2]) % 16
+
+
 def check(kwargs, config=None):
+    if _narrow_blocks_read_whole(kwargs):
+        with pytest.raises(NotImplementedError, match="would cross the blocks"):
+            triton_decode.decode_attention_with(config, **kwargs)
+        return
     expected = reference.latent_attention(**kwargs)
     actual = triton_decode.decode_attention_with(config, **kwargs)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
@@ -192,6 +204,30 @@ def test_decode_kernel_matches_the_reference_over_many_full_tiles(case):
     (the short cases above are mostly edge tiles): 8-bit values in that loop read NaN on an H100 while every short
     case passed."""
     check(build_case(**case))
+
+
+@pytest.mark.parametrize("v_bits, v_block_rank, v_group, dtype", [
+    (4, 32, 16, torch.float32), (8, 16, 16, torch.float16), (3, 128, 32, torch.float16), (2, 64, 32, torch.float32)])
+def test_values_the_output_projection_absorbed_are_read_whole_from_their_stored_blocks(v_bits, v_block_rank, v_group,
+                                                                                     dtype):
+    """up_v None (B_v absorbed into the output projection: every KV head's context over every value channel) over
+    head-wise values stored by blocks, as LatentCache stores a head-wise quantized side: each KV head reads every
+    block, chunk by chunk, each chunk inside one block (a chunk that crossed two would read the second block's
+    channels at the first's offsets). A 200-example draw of the decode cases found the kernel refusing these."""
+    kwargs = build_case(**{**BASE, "dtype": dtype, "absorb": True, "by_blocks": True, "v_bits": v_bits,
+                           "v_block_rank": v_block_rank, "v_group": v_group, "length": 150})
+    assert kwargs["up_v"] is None and kwargs["latent_v"].dim() == 4 and kwargs["latent_v"].shape[2] == 2
+    check(kwargs)
+
+
+def test_values_read_whole_from_blocks_narrower_than_a_chunk_are_refused():
+    """The same over stored blocks of 12 channels: the kernel refuses them, saying why (and "auto" runs the reference
+    op); the drawn cases expect this refusal (`check`)."""
+    kwargs = build_case(**{**BASE, "absorb": True, "by_blocks": True, "v_bits": 8, "v_block_rank": 12, "v_group": 4,
+                           "length": 20})
+    assert _narrow_blocks_read_whole(kwargs)
+    with pytest.raises(NotImplementedError, match="12 would cross the blocks|blocks of 12"):
+        triton_decode.decode_attention_with(None, **kwargs)
 
 
 BASE = dict(batch=2, kv_heads=2, group_heads=4, head_dim=64, dtype=torch.float32, k_blocks=2, v_blocks=2,

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.kernels import latent_prefill  # noqa: E402
 from lrkv_compile.lowering import reference, triton_prefill  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
-from test_kernels import DEVICE, FP16_TOLERANCE, build_case, draw_layout  # noqa: E402
+from test_kernels import DEVICE, FP16_TOLERANCE, _narrow_blocks_read_whole, build_case, draw_layout  # noqa: E402
 
 # additive masks of finfo.min: the kernel's exponent (s - m) log2 e overflows to -inf there, as meant (weight 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
@@ -33,6 +33,10 @@ def build_prefill_case(*, earlier, tokens, **case):
 
 
 def check(kwargs, path=None):
+    if _narrow_blocks_read_whole(kwargs):  # refused, as by the decode kernel ("auto" runs the reference op)
+        with pytest.raises(NotImplementedError, match="would cross the blocks"):
+            triton_prefill.prefill_attention_with(path, **kwargs)
+        return
     # the oracle runs on CPU: there SDPA's softmax over a row of finfo.min (a left-padded row's padding queries under
     # an additive mask) attends uniformly, as plain softmax does and the kernel does; CUDA's SDPA returns zeros
     expected = reference.latent_attention(**{name: value.cpu() if isinstance(value, torch.Tensor) else value
@@ -90,6 +94,19 @@ def test_rebuild_path_matches_the_reference(case):
                 "mask_shape": "causal" if case["mask_shape"] == "per_head" else case["mask_shape"],
                 "dtype": torch.float16 if case["dtype"] == torch.float32 else case["dtype"]}
     check(build_prefill_case(**{**case, "mask": "bool" if case["mask"] == "additive" else case["mask"]}), "rebuild")
+
+
+@pytest.mark.parametrize("path", ["kernel", "rebuild"])
+@pytest.mark.parametrize("v_bits, v_block_rank, v_group", [(4, 32, 16), (3, 128, 32)])
+def test_values_the_output_projection_absorbed_are_read_whole_from_their_stored_blocks(path, v_bits, v_block_rank,
+                                                                                     v_group):
+    """As for the decode kernel (`test_kernels.py`): up_v None over head-wise values stored by blocks, each KV head
+    reading every block chunk by chunk, on both paths (the rebuild path in float16, as it runs)."""
+    kwargs = build_prefill_case(**{**BASE, "absorb": True, "by_blocks": True, "v_bits": v_bits,
+                                   "v_block_rank": v_block_rank, "v_group": v_group,
+                                   "dtype": torch.float16 if path == "rebuild" else torch.float32})
+    assert kwargs["up_v"] is None and kwargs["latent_v"].dim() == 4 and kwargs["latent_v"].shape[2] == 2
+    check(kwargs, path)
 
 
 def test_the_launcher_takes_the_rebuild_path_for_long_chunks_it_covers(monkeypatch):
