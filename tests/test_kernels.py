@@ -116,7 +116,7 @@ def build_case(*, batch, kv_heads, group_heads, head_dim, dtype, k_blocks, v_blo
     return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
 
 
-def _narrow_blocks_read_whole(kwargs) -> bool:
+def narrow_blocks_read_whole(kwargs) -> bool:
     """Values the output projection absorbed (read whole by every KV head) from a cache stored by blocks of fewer
     than 16 channels or of a width not a multiple of 16, which the kernel's chunks of channels would cross: the
     kernel refuses them ("auto" then runs the reference op)."""
@@ -125,7 +125,7 @@ def _narrow_blocks_read_whole(kwargs) -> bool:
 
 
 def check(kwargs, config=None):
-    if _narrow_blocks_read_whole(kwargs):
+    if narrow_blocks_read_whole(kwargs):
         with pytest.raises(NotImplementedError, match="would cross the blocks"):
             triton_decode.decode_attention_with(config, **kwargs)
         return
@@ -225,7 +225,7 @@ def test_values_read_whole_from_blocks_narrower_than_a_chunk_are_refused():
     op); the drawn cases expect this refusal (`check`)."""
     kwargs = build_case(**{**BASE, "absorb": True, "by_blocks": True, "v_bits": 8, "v_block_rank": 12, "v_group": 4,
                            "length": 20})
-    assert _narrow_blocks_read_whole(kwargs)
+    assert narrow_blocks_read_whole(kwargs)
     with pytest.raises(NotImplementedError, match="12 would cross the blocks|blocks of 12"):
         triton_decode.decode_attention_with(None, **kwargs)
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.kernels import latent_prefill  # noqa: E402
 from lrkv_compile.lowering import reference, triton_prefill  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
-from test_kernels import DEVICE, FP16_TOLERANCE, _narrow_blocks_read_whole, build_case, draw_layout  # noqa: E402
+from test_kernels import DEVICE, FP16_TOLERANCE, narrow_blocks_read_whole, build_case, draw_layout  # noqa: E402
 
 # additive masks of finfo.min: the kernel's exponent (s - m) log2 e overflows to -inf there, as meant (weight 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
@@ -33,7 +33,7 @@ def build_prefill_case(*, earlier, tokens, **case):
 
 
 def check(kwargs, path=None):
-    if _narrow_blocks_read_whole(kwargs):  # refused, as by the decode kernel ("auto" runs the reference op)
+    if narrow_blocks_read_whole(kwargs):  # refused, as by the decode kernel ("auto" runs the reference op)
         with pytest.raises(NotImplementedError, match="would cross the blocks"):
             triton_prefill.prefill_attention_with(path, **kwargs)
         return
