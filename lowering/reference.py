@@ -64,7 +64,9 @@ def _store(latent, scale, zero, exact, new, bits, group, sinks, axis, outliers, 
         first, end = start - start % group, (start + tokens) // group * group
         first = max(first, end - capacity)  # a ring keeps whole blocks: the last capacity / group of them
         if end > first:
-            earlier = exact[:batch, sinks + torch.arange(first, start, device=new.device) % window]
+            # the blocks' indices before this write, from the window ring: none where the ring keeps only this
+            # write's (a prompt longer than a sliding-window layer's ring starts its kept blocks past `start`)
+            earlier = exact[:batch, sinks + torch.arange(first, max(first, start), device=new.device) % window]
             span = torch.cat((earlier, new[:, max(0, first - start):end - start].to(exact.dtype)), dim=1)
             codes, new_scale, new_zero = quantize.quantize(span, bits, group, axis, outliers)
             latent[:batch, torch.arange(first, end, device=new.device) % capacity] = codes

@@ -59,6 +59,14 @@ def test_mutated_graphs_are_still_rewritten():
     fuzz.check(fuzz.Case("llama", check="truncated", keep=0.5, batch=2, padding=1, mutations=tuple(fuzz.MUTATIONS)))
 
 
+def test_a_prompt_longer_than_a_sliding_window_ring_of_channel_axis_blocks():
+    """Found by `lrkv fuzz --examples 200 --seed 7`: a Gemma 3 sliding-window layer's ring of per-channel blocks,
+    written by a prompt longer than the ring, keeps only the prompt's last blocks, which start after the prompt's
+    first index; the reference write asked for the indices between them backwards and raised."""
+    fuzz.check(fuzz.Case(family="gemma3", check="decode", layers=1, kv_heads=1, ratio=1, head_dim=8, keep=0.25,
+                         bits=8, group=4, axis="channel", prompt=8, steps=1))
+
+
 def test_a_planted_bug_is_caught_shrunk_and_reproducible(monkeypatch, capsys, tmp_path):
     """A LatentCache attention that is wrong for batches of more than one sequence: the fuzzer fails, shrinks
     the case (for ten seconds), and prints a reproducer that fails the same way."""
