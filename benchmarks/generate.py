@@ -41,9 +41,8 @@ and leave out peak_GiB, max_batch and kernel_calls_per_step (every path's cache 
 run without it. They add enqueue_ms, the host's time until a step's call returns (a CUDA graph's replay included),
 and back_to_back_ms, a step's time in bursts of steps with no synchronize between them (where the host keeps ahead,
 the device's time a step, its rewind's one launch included), so that a step's time splits into the host's and the
-device's. They go to
-benchmarks/results/generate-alternate-<gpu>.json, once every round has run; a path that fails its first calls is a
-row with its `error`, and the others still run.
+device's. They go to benchmarks/results/generate-alternate-<gpu>.json, once every round has run; a path that fails
+its first calls is a row with its `error`, and the others still run.
 """
 import argparse
 import dataclasses
@@ -119,13 +118,13 @@ def fill_static(model, cache, batch, context):
     for layer in cache.layers:
         for tensor in (layer.keys, layer.values):
             tensor.normal_(0, 1)
-    rewinder(cache, context)()
+        layer.cumulative_length.fill_(context - 1)
 
 
 def rewinder(cache, context):
     """A call that puts every layer's length (`cumulative_length`, LatentCache's and StaticCache's) back to
-    `context - 1` tokens in one launch, so that each timed step writes the same slot and
-    attends over `context` tokens."""
+    `context - 1` tokens in one launch, so that each timed step writes the same slot and attends over `context`
+    tokens."""
     lengths = [layer.cumulative_length for layer in cache.layers]
     before = torch.tensor(context - 1, device=lengths[0].device)
 

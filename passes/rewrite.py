@@ -185,8 +185,8 @@ class _Rewriter:
         # a sliding-window layer's latents are a ring shorter than the context: its step attends first, then writes
         ring = cache["latent_k"].meta["example_value"].shape[1] < cache["positions"].meta["example_value"].shape[1]
         with self.graph.inserting_before(marker):
-            # both sides' latents in one product, [down_k | down_v], split as views (one weight read and one launch
-            # where there were two)
+            # both sides' latents in one product, [down_k | down_v], split as views (one launch and one read of the
+            # layer's input where there were two; the same weight bytes)
             down = self.constant(f"{name}_down_kv", torch.cat((planned.down_k, planned.down_v), dim=1).T, weight)
             latents = self.graph.call_function(torch._C._nn.linear, (site.key.x, down, None))
             parts = self.graph.call_function(torch.split, (latents, [planned.down_k.shape[1], planned.down_v.shape[1]],

@@ -77,8 +77,8 @@ def test_a_plan_traced_at_another_batch_leaves_the_compiled_step_static(monkeypa
 
 def test_both_sides_latents_come_from_one_product_per_site(monkeypatch):
     """The rewritten graph projects each site's new keys and values to their latents in one linear over [down_k |
-    down_v], split into views for the write and the attention (one weight read and one launch a layer, not two);
-    their values are the separate products'."""
+    down_v], split into views for the write and the attention (one launch a layer, not two); their values are the
+    separate products'."""
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=2, dtype=torch.float32, seed=0))
     plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the triton package
 from lrkv_compile.kernels import latent_prefill  # noqa: E402
 from lrkv_compile.lowering import reference, triton_prefill  # noqa: E402
 from strategies import TOLERANCE  # noqa: E402
-from test_kernels import DEVICE, FP16_TOLERANCE, narrow_blocks_read_whole, build_case, draw_layout  # noqa: E402
+from test_kernels import DEVICE, FP16_TOLERANCE, build_case, draw_layout, narrow_blocks_read_whole  # noqa: E402
 
 # additive masks of finfo.min: the kernel's exponent (s - m) log2 e overflows to -inf there, as meant (weight 0)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
