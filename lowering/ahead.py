@@ -107,7 +107,8 @@ def calls(gm: torch.fx.GraphModule, example_inputs) -> list:
                 kwargs = {name: (real[value] if value in real else interpreter.env[value])
                           if isinstance(value, torch.fx.Node) else value for name, value in node.kwargs.items()}
                 new = kwargs["query"] if "query" in kwargs else kwargs["new_k"].unsqueeze(1)
-                key = (node.target, tuple((name, _describe(value)) for name, value in kwargs.items()))
+                key = (node.target, tuple((name, _describe(value)) for name, value in kwargs.items()
+                                          if name not in HOST_ONLY))
                 if new.dim() == 4 and new.shape[2] == 1 and key not in seen:  # a prompt's call is not compiled ahead
                     seen.add(key)
                     found.append((functions[node.target], kwargs))
@@ -118,6 +119,9 @@ def calls(gm: torch.fx.GraphModule, example_inputs) -> list:
             return []
     return [(function, {name: _zeros(value) if isinstance(value, FakeTensor) else value
                         for name, value in kwargs.items()}) for function, kwargs in found]
+
+
+HOST_ONLY = {"device_check"}  # arguments of the latent ops that no kernel's compile depends on
 
 
 def _symbolic(value) -> bool:

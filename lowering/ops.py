@@ -115,10 +115,13 @@ def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Ten
                  new_positions: Optional[Tensor], length: Tensor, k_bits: int, k_group: int, k_sinks: int,
                  k_axis: str, k_outliers: int, v_bits: int, v_group: int, v_sinks: int, v_axis: str,
                  v_outliers: int, rope_rows: Tensor, new_cos: Optional[Tensor], new_sin: Optional[Tensor],
-                 implementation: str = "auto") -> None:
+                 device_check: bool = True, implementation: str = "auto") -> None:
     """Store this step's K/V latents (quantized per the layout, exact copies of sinks and window) and their
-    positions (or RoPE rows) in the cache, in place. `implementation` (`IMPLEMENTATIONS`): "auto" the Triton write
-    (`lowering.triton_write`, one launch per side) on CUDA tensors where it covers the layout, else the reference."""
+    positions (or RoPE rows) in the cache, in place. `device_check`: whether a context longer than the cache stops
+    the GPU here (a device assertion; on the CPU the host always raises CacheOverflowError). The rewrite sets it on a
+    graph's first write only: every layer's write of a step has the same length and capacity, and the writes after
+    it store nothing past the cache (the Triton write checks, the reference's indexing refuses). `implementation` (`IMPLEMENTATIONS`): "auto" the Triton write
+    (`lowering.triton_write`, one launch) on CUDA tensors where it covers the layout, else the reference."""
     arguments = dict(locals())  # the op's own arguments, by name
     del arguments["implementation"]
 

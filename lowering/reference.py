@@ -168,7 +168,7 @@ def read_latents(latent, scale, zero, exact, bits, group, sinks, axis, outliers,
 
 def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, v_exact, positions, new_k, new_v,
                  new_positions, length, k_bits, k_group, k_sinks, k_axis, k_outliers, v_bits, v_group, v_sinks, v_axis,
-                 v_outliers, rope_rows=None, new_cos=None, new_sin=None) -> None:
+                 v_outliers, rope_rows=None, new_cos=None, new_sin=None, device_check=True) -> None:
     """Write this step's latents (quantized per side's layout, with exact sink and window copies) and their
     positions at sequence indices [length, length + tokens) (slots index % slots: a ring where the latents are
     shorter than the context, `_store`).
@@ -177,12 +177,13 @@ def latent_write(latent_k, k_scale, k_zero, k_exact, latent_v, v_scale, v_zero, 
     [batch|1, tokens] integer positions (None for a model without RoPE, or one whose RoPE is stored as rows);
     length: scalar tensor, slots already written before this step. new_cos, new_sin: this step's RoPE rows
     [batch|1, 1, tokens, rotary_dim] (as the model multiplies keys by them), stored in rope_rows [max_batch, slots,
-    2, rotary_dim] where the model recomputes its RoPE frequencies as it runs (None: it does not).
+    2, rotary_dim] where the model recomputes its RoPE frequencies as it runs (None: it does not). device_check:
+    whether a context past the cache is asserted on the device, where the host does not check it (`ops.latent_write`).
     """
     batch, tokens = new_k.shape[0], new_k.shape[1]
     capacity = positions.shape[1]  # a sliding-window layer's latents are a shorter ring; positions cover the context
     length = torch.as_tensor(length, device=positions.device)
-    if not _check_room(length, tokens, capacity, batch, latent_k.shape[0]):
+    if not _check_room(length, tokens, capacity, batch, latent_k.shape[0]) and device_check:
         # against capacity - tokens, a number: one comparison kernel before the assertion's own, not an addition too
         _assert_room(length <= capacity - tokens, capacity)
     indices = length + torch.arange(tokens, device=positions.device)  # sequence indices [tokens]

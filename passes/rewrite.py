@@ -70,6 +70,9 @@ class _Rewriter:
         self.gm, self.graph = gm, gm.graph
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.values = dict(zip(placeholders, example_inputs))
+        # the graph's first cache write asserts on the device that the context fits, before any attention reads the
+        # cache; the later ones store nothing past it (`ops.latent_write`'s device_check): one assertion a step
+        self.device_check = True
 
     def value_of(self, node: Node) -> torch.Tensor:
         if node.op == "get_attr":
@@ -196,7 +199,8 @@ class _Rewriter:
             step_rows = {"new_cos": site.rope.cos, "new_sin": site.rope.sin} if rows else {"new_cos": None,
                                                                                          "new_sin": None}
             write = {**state, **new, "new_positions": site.rope_source.positions if site.rope_source else None,
-                     "rope_rows": cache["rope_rows"], **step_rows}
+                     "rope_rows": cache["rope_rows"], **step_rows, "device_check": self.device_check}
+            self.device_check = False
             if not ring:
                 self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs=write)
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)

@@ -70,7 +70,8 @@ def test_the_arguments_compiled_ahead_are_the_ones_a_decode_step_passes(monkeypa
         expected = decode[name]
         assert sorted(set(expected) - {"implementation"}) == sorted(kwargs)  # `start` sets the implementation
         for argument, value in kwargs.items():
-            assert _describe(expected[argument]) == _describe(value), (name, argument)
+            if argument not in ahead.HOST_ONLY:  # the first layer's write asserts the context on the device, not both
+                assert _describe(expected[argument]) == _describe(value), (name, argument)
         # the cache's own tensors are handed over as they are (their addresses are part of what compiles); the
         # first layer's, as both layers' calls compile alike
         first = cache.layers[0]

@@ -128,6 +128,15 @@ def test_the_write_kernel_writes_nothing_past_the_cache_and_says_so(monkeypatch)
         assert reported[-1] == fits
         changed = [not torch.equal(got, was) for got, was in zip(buffers, before)]
         assert any(changed) == bool(fits), changed
+    # a step's later writes (device_check False: the first write asserted it) store nothing past it either
+    before = [tensor.clone() for tensor in buffers]
+    triton_write.latent_write(
+        **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
+                    "positions"), buffers)),
+        new_k=torch.randn(2, 3, 32, generator=generator).half(),
+        new_v=torch.randn(2, 3, 32, generator=generator).half(),
+        new_positions=torch.tensor([[14, 15, 16]]), length=torch.tensor(14), device_check=False, **layout)
+    assert len(reported) == 2 and all(torch.equal(got, was) for got, was in zip(buffers, before))
     # a thread that compiles the graph's kernels ahead (`ahead`) launches nothing, so nothing is asserted either
     monkeypatch.setattr(ahead, "compiling", lambda: True)
     monkeypatch.setattr(launch.ahead, "compile_kernel", lambda *args: None)
