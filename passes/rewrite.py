@@ -70,9 +70,7 @@ class _Rewriter:
         self.gm, self.graph = gm, gm.graph
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.values = dict(zip(placeholders, example_inputs))
-        # the graph's first cache write asserts on the device that the context fits, before any attention reads the
-        # cache; the later ones store nothing past it (`ops.latent_write`'s device_check): one assertion a step
-        self.device_check = True
+        self.writes = []  # (latent_write node, whether it writes a sliding-window ring after its attention)
 
     def value_of(self, node: Node) -> torch.Tensor:
         if node.op == "get_attr":
@@ -199,10 +197,10 @@ class _Rewriter:
             step_rows = {"new_cos": site.rope.cos, "new_sin": site.rope.sin} if rows else {"new_cos": None,
                                                                                          "new_sin": None}
             write = {**state, **new, "new_positions": site.rope_source.positions if site.rope_source else None,
-                     "rope_rows": cache["rope_rows"], **step_rows, "device_check": self.device_check}
-            self.device_check = False
+                     "rope_rows": cache["rope_rows"], **step_rows}
             if not ring:
-                self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs=write)
+                self.writes.append((self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs=write),
+                                    False))
         path = choose_value_path(site.num_heads, site.head_dim, site.hidden_size, planned.rank_v, value_policy)
         absorb = path.startswith("absorbed") and site.out_proj is not None
         if not absorb:
@@ -223,12 +221,23 @@ class _Rewriter:
             with self.graph.inserting_after(tokens):
                 start = self.graph.call_function(operator.sub, (state["length"], tokens))
             with self.graph.inserting_after(start):
-                self.graph.call_function(torch.ops.lrkv.latent_write.default, kwargs={**write, "length": start})
+                self.writes.append((self.graph.call_function(torch.ops.lrkv.latent_write.default,
+                                                             kwargs={**write, "length": start}), True))
         if absorb:
             self.absorb_output(site, planned, attention, name)
         else:
             site.sdpa.replace_all_uses_with(attention)
         return path
+
+    def check_once(self):
+        """One device assertion of the context a step (`ops.latent_write`'s device_check), at the graph's first write
+        of a full-length cache: it comes before that layer's attention, and every later layer's attention depends on
+        it through the hidden states (a ring's write comes after its attention, which nothing later waits for). The
+        other writes store nothing past the cache. A graph of rings only asserts at its first."""
+        full = [node for node, ring in self.writes if not ring]
+        first = (full or [node for node, _ in self.writes] or [None])[0]
+        for node, _ in self.writes:
+            node.kwargs = {**node.kwargs, "device_check": node is first}
 
     def absorb_output(self, site, planned, context, name):
         """o = ctx_flat W_abs^T + b_abs with W_abs[:, h] = (B_v,g(h) W_o,h^T)^T, b_abs = b_o + sum_h b_v,g W_o,h^T."""
@@ -292,6 +301,7 @@ def rewrite(gm: GraphModule, sites, plan, example_inputs, value_policy="auto") -
             path = "full values (factored projection)"
         reports.append(SiteReport(site.index, site.k_weight, site.cache, "rewritten", planned.rank_k,
                                   planned.rank_v, path))
+    rewriter.check_once()
     _prune(gm.graph)
     rewritten = {r.index for r in reports if r.status == "rewritten"}
     for site in sites:

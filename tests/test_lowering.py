@@ -96,19 +96,38 @@ def test_both_sides_latents_come_from_one_product_per_site(monkeypatch):
         assert len(writes) == 2 and writes[0] is writes[1]
 
 
+def _writes(gm):
+    """The graph's latent ops in order, and its writes among them."""
+    ops = [node for node in gm.graph.nodes
+           if node.target in (torch.ops.lrkv.latent_write.default, torch.ops.lrkv.latent_attention.default)]
+    return ops, [node for node in ops if node.target is torch.ops.lrkv.latent_write.default]
+
+
 def test_the_first_write_of_a_step_asserts_the_context_on_the_device(monkeypatch):
-    """A decode step's graph asserts that the context fits the cache once, at its first write, which comes before
-    every attention reads the cache (three layers: one assertion a step, where there were three); the later writes
-    store nothing past the cache (`test_write_kernel.py`)."""
+    """A decode step's graph asserts that the context fits the cache once (`device_check`), at its first write, which
+    comes before every attention reads the cache (three layers: one assertion a step where there were three); the
+    later writes store nothing past the cache (`test_write_kernel.py`)."""
     model = build_model(dict(num_key_value_heads=2, num_attention_heads=4, head_dim=16, hidden_size=32,
                              attention_bias=False, num_hidden_layers=3, dtype=torch.float32, seed=0))
     plan = lrkv.RankPlan.uniform(model, keep_k=0.5, keep_v=1.0, bits_k=4, bits_v=3, group=8, progress=False)
     [(gm, _)] = _lowered(model, plan, torch.randint(0, VOCAB, (2, 1)), 16, monkeypatch)
-    ops = [node for node in gm.graph.nodes
-           if node.target in (torch.ops.lrkv.latent_write.default, torch.ops.lrkv.latent_attention.default)]
-    writes = [node for node in ops if node.target is torch.ops.lrkv.latent_write.default]
-    assert [node.kwargs["device_check"] for node in writes] == [True, False, False]
-    assert ops[0] is writes[0]
+    ops, writes = _writes(gm)
+    assert [node.kwargs["device_check"] for node in writes] == [True, False, False] and ops[0] is writes[0]
+
+
+@pytest.mark.parametrize("family, checks", [("gemma3", [False, True, False]), ("mistral", [True, False, False])])
+def test_a_ring_writes_after_its_attention_so_the_first_full_cache_write_asserts(family, checks, monkeypatch):
+    """A sliding-window layer's ring is written after its attention, which no later layer waits for: Gemma 3's
+    (sliding, global, sliding) asserts at its global layer's write, the one write a full-length cache gets before
+    its attention; Mistral's (three rings) at its first write, having no other."""
+    from lrkv_compile import zoo
+
+    model = zoo.build(family, layers=3, sliding_window=5)
+    plan = lrkv.RankPlan.uniform(model, keep=0.5, progress=False)
+    [(gm, _)] = _lowered(model, plan, torch.randint(3, zoo.VOCAB, (2, 1)), 32, monkeypatch)
+    ops, writes = _writes(gm)
+    assert ops[0].target is torch.ops.lrkv.latent_attention.default  # the first layer's ring: attention first
+    assert [node.kwargs["device_check"] for node in writes] == checks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU; on CPU the first test runs "
