@@ -118,10 +118,11 @@ def latent_write(latent_k: Tensor, k_scale: Tensor, k_zero: Tensor, k_exact: Ten
                  device_check: bool = True, implementation: str = "auto") -> None:
     """Store this step's K/V latents (quantized per the layout, exact copies of sinks and window) and their
     positions (or RoPE rows) in the cache, in place. `device_check`: whether a context longer than the cache stops
-    the GPU here (a device assertion; on the CPU the host always raises CacheOverflowError). The rewrite sets it on one
-    write a graph (`_Rewriter.check_once`): every layer's write of a step has the same length and capacity, and the
-    others store nothing past the cache (the Triton write checks, the reference's indexing refuses). `implementation` (`IMPLEMENTATIONS`): "auto" the Triton write
-    (`lowering.triton_write`, one launch) on CUDA tensors where it covers the layout, else the reference."""
+    the GPU here (a device assertion; on the CPU the host always raises CacheOverflowError). The rewrite sets it on
+    one write a graph (`_Rewriter.check_once`): every layer's write of a step has the same length and capacity, and
+    the others store nothing past the cache (the Triton write checks, the reference's indexing refuses).
+    `implementation` (`IMPLEMENTATIONS`): "auto" the Triton write (`lowering.triton_write`, one launch) on CUDA
+    tensors where it covers the layout, else the reference."""
     arguments = dict(locals())  # the op's own arguments, by name
     del arguments["implementation"]
 
