@@ -15,6 +15,8 @@ from lrkv_compile.lowering import ahead, launch, reference, triton_write  # noqa
 from test_kernels import _side_buffers  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# the cache buffers a write takes, in the order `_buffers` returns them
+BUFFERS = ("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact", "positions")
 
 
 def _buffers(batch, capacity, context, rank_k, rank_v, layout, dtype, generator, blocks=1):
@@ -59,11 +61,9 @@ def test_the_triton_write_stores_the_reference_bytes(k_bits, v_bits, group, sink
         arguments = dict(new_k=new_k, new_v=new_v, new_positions=new_positions,
                          length=torch.tensor(start, device=DEVICE), **layout)
         reference.latent_write(*expected[:8], expected[8], **arguments)
-        triton_write.latent_write(**dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale",
-                                              "v_zero", "v_exact", "positions"), buffers)), **arguments)
+        triton_write.latent_write(**dict(zip(BUFFERS, buffers)), **arguments)
         start += tokens
-        for name, got, want in zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero",
-                                    "v_exact", "positions"), buffers, expected):
+        for name, got, want in zip(BUFFERS, buffers, expected):
             assert torch.equal(got, want), f"{name} differs after {start} tokens"
 
 
@@ -74,8 +74,7 @@ def test_the_write_op_passes_opcheck():
     layout = dict(k_bits=4, k_group=32, k_sinks=4, k_axis="token", k_outliers=0, v_bits=3, v_group=32, v_sinks=4,
                   v_axis="token", v_outliers=0)
     buffers = _buffers(3, 24, 24, 32, 64, dict(layout, window=2), torch.float16, generator)
-    arguments = dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
-                          "positions"), buffers),
+    arguments = dict(zip(BUFFERS, buffers),
                      new_k=torch.randn(2, 3, 32, generator=generator).half().to(DEVICE),
                      new_v=torch.randn(2, 3, 64, generator=generator).half().to(DEVICE),
                      new_positions=torch.arange(3, device=DEVICE)[None].repeat(2, 1),
@@ -97,8 +96,7 @@ def test_what_the_write_does_not_cover_raises_not_implemented(change, what):
     tokens = change.get("tokens", 1)
     with pytest.raises(NotImplementedError, match=what):
         triton_write.latent_write(
-            **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
-                        "positions"), buffers)),
+            **dict(zip(BUFFERS, buffers)),
             new_k=torch.randn(1, tokens, 24 if "k_group" in change else 32, device=DEVICE),
             new_v=torch.randn(1, tokens, 32, device=DEVICE), new_positions=None, length=torch.tensor(0, device=DEVICE),
             **layout)
@@ -120,8 +118,7 @@ def test_the_write_kernel_writes_nothing_past_the_cache_and_says_so(monkeypatch)
     for length, tokens, fits in ((14, 3, 0), (13, 3, 1)):
         before = [tensor.clone() for tensor in buffers]
         triton_write.latent_write(
-            **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
-                        "positions"), buffers)),
+            **dict(zip(BUFFERS, buffers)),
             new_k=torch.randn(2, tokens, 32, generator=generator).half(),
             new_v=torch.randn(2, tokens, 32, generator=generator).half(),
             new_positions=(length + torch.arange(tokens))[None], length=torch.tensor(length), **layout)
@@ -131,8 +128,7 @@ def test_the_write_kernel_writes_nothing_past_the_cache_and_says_so(monkeypatch)
     # a step's later writes (device_check False: the first write asserted it) store nothing past it either
     before = [tensor.clone() for tensor in buffers]
     triton_write.latent_write(
-        **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
-                    "positions"), buffers)),
+        **dict(zip(BUFFERS, buffers)),
         new_k=torch.randn(2, 3, 32, generator=generator).half(),
         new_v=torch.randn(2, 3, 32, generator=generator).half(),
         new_positions=torch.tensor([[14, 15, 16]]), length=torch.tensor(14), device_check=False, **layout)
@@ -141,8 +137,7 @@ def test_the_write_kernel_writes_nothing_past_the_cache_and_says_so(monkeypatch)
     monkeypatch.setattr(ahead, "compiling", lambda: True)
     monkeypatch.setattr(launch.ahead, "compile_kernel", lambda *args: None)
     triton_write.latent_write(
-        **dict(zip(("latent_k", "k_scale", "k_zero", "k_exact", "latent_v", "v_scale", "v_zero", "v_exact",
-                    "positions"), buffers)),
+        **dict(zip(BUFFERS, buffers)),
         new_k=torch.randn(2, 1, 32, generator=generator).half(),
         new_v=torch.randn(2, 1, 32, generator=generator).half(),
         new_positions=torch.tensor([[3]]), length=torch.tensor(3), **layout)
