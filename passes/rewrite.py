@@ -234,10 +234,9 @@ class _Rewriter:
         of a full-length cache: it comes before that layer's attention, and every later layer's attention depends on
         it through the hidden states (a ring's write comes after its attention, which nothing later waits for). The
         other writes store nothing past the cache. A graph of rings only asserts at its first."""
-        full = [node for node, ring in self.writes if not ring]
-        first = (full or [node for node, _ in self.writes] or [None])[0]
+        checking = [node for node, ring in self.writes if not ring] or [node for node, _ in self.writes]
         for node, _ in self.writes:
-            node.kwargs = {**node.kwargs, "device_check": node is first}
+            node.kwargs = {**node.kwargs, "device_check": node is checking[0]}
 
     def absorb_output(self, site, planned, context, name):
         """o = ctx_flat W_abs^T + b_abs with W_abs[:, h] = (B_v,g(h) W_o,h^T)^T, b_abs = b_o + sum_h b_v,g W_o,h^T."""
